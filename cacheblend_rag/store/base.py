@@ -1,0 +1,131 @@
+"""The interface every KV store backend implements (memory, disk, Redis, tiers of them).
+
+A chunk entry is ``num_layers`` layer values (bytes, see :mod:`cacheblend_rag.store.format`)
+plus one manifest. Writers put every layer first and the manifest last, through
+:meth:`KVStore.add_manifest`, which writes only if no manifest exists yet. So:
+
+* a chunk is visible only once complete;
+* layer values are named by ``(key, write_id, layer)``, with a fresh ``write_id`` per write,
+  so two processes writing the same chunk at once never overwrite each other's layers;
+  the first manifest wins and the loser deletes its own layers;
+* a reader that finds a manifest knows which layer values belong to it.
+
+Backends only move bytes. They never decode, never pickle, and signal I/O failure with
+:class:`~cacheblend_rag.store.errors.StoreError` (or any ``OSError``); the chunk cache
+above them treats that as a miss, computes fresh and warns.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+COUNTERS = ("hits", "misses", "evictions", "corrupt")
+
+
+@dataclass
+class StoreStats:
+    """Chunk-level counts. ``hits``/``misses`` count chunks asked for by blends;
+    ``corrupt`` counts entries found damaged (and deleted); ``bytes`` is the space used."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class KVStore(ABC):
+    """Byte storage of chunk KV, one value per layer plus a manifest per chunk. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._counter_lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------ layers
+    @abstractmethod
+    def get_layer(self, key: str, write_id: str, layer: int) -> bytes | None:
+        """The value of one layer, or ``None`` if absent."""
+
+    def get_layers(self, requests: Sequence[tuple[str, str, int]]) -> list[bytes | None]:
+        """Several ``(key, write_id, layer)`` values at once; backends with round trips batch them."""
+        return [self.get_layer(key, write_id, layer) for key, write_id, layer in requests]
+
+    @abstractmethod
+    def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
+        """Store one layer value (overwriting the same name)."""
+
+    @abstractmethod
+    def delete_layers(self, key: str, write_id: str, num_layers: int) -> None:
+        """Remove the layer values of one write (a writer that lost the race cleans up with this)."""
+
+    # --------------------------------------------------------- manifests
+    @abstractmethod
+    def get_manifest(self, key: str) -> bytes | None:
+        """The manifest of a chunk, or ``None`` if the chunk is absent or incomplete."""
+
+    def get_manifests(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get_manifest(key) for key in keys]
+
+    @abstractmethod
+    def add_manifest(self, key: str, data: bytes) -> bool:
+        """Atomically store the manifest unless one exists; ``True`` if this call stored it."""
+
+    def contains(self, key: str) -> bool:
+        return self.get_manifest(key) is not None
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove a chunk: its manifest first (so readers stop seeing it), then all its layer values."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Keys of the chunks that have a manifest."""
+
+    # ------------------------------------------------------------- admin
+    def record(self, **counts: int) -> None:
+        """Add to the ``hits``/``misses``/``evictions``/``corrupt`` counters (persistent backends persist them)."""
+        unknown = set(counts) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}; known counters are {COUNTERS}")
+        with self._counter_lock:
+            for name, n in counts.items():
+                self._counters[name] += int(n)
+
+    def counters(self) -> dict[str, int]:
+        with self._counter_lock:
+            return dict(self._counters)
+
+    def reset_counters(self) -> None:
+        with self._counter_lock:
+            self._counters = dict.fromkeys(COUNTERS, 0)
+
+    @abstractmethod
+    def stats(self) -> StoreStats: ...
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every entry and reset the counters."""
+
+    def close(self) -> None:
+        """Release files or connections. The store is unusable afterwards."""
+
+    def describe(self) -> str:
+        """A short human-readable location, for logs and the CLI."""
+        return type(self).__name__
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()}>"
