@@ -432,6 +432,7 @@ class CacheBlendEngine:
                     cached_k=cached_k, cached_v=cached_v, chunk_spans=chunk_spans,
                     deviation=cfg.deviation, sink_tokens=cfg.sink_tokens,
                     query_weight=cfg.query_weight, gradual_expand=cfg.gradual_expand,
+                    layers_left=last_layer - layer,
                 )
                 if strategy.needs_query_attention:
                     ctx.query_attention = self._query_attention_fn(a, layer, q, k, cos_all, sin_all, fresh_pos, cached_pos, segs)
@@ -440,7 +441,7 @@ class CacheBlendEngine:
                 value_layer = v
                 keep = torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values
                 q, hidden, active = q[:, :, keep], hidden[:, keep], keep
-            elif all_active:
+            elif all_active and (selected is None or selected.numel() <= budget):
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
             else:
@@ -454,7 +455,7 @@ class CacheBlendEngine:
                         fresh_k=k[0, :, sel_rel], fresh_v=v[0, :, sel_rel],
                         cached_k=cached_k[:, selected], cached_v=cached_v[:, selected],
                         chunk_spans=chunk_spans, deviation=cfg.deviation,
-                        gradual_expand=cfg.gradual_expand,
+                        gradual_expand=cfg.gradual_expand, layers_left=last_layer - layer,
                     )
                     narrowed = strategy.refine(ctx, selected)
                 else:

@@ -37,6 +37,7 @@ class SelectionContext:
     sink_tokens: int = 4
     query_weight: float = 0.5
     gradual_expand: float = 2.0
+    layers_left: int = 0  # layers after this one; a gradual strategy must reach its budget by the last
     # Attention mass that the fresh query tokens pay each cached token, [n_cached]; computed lazily.
     query_attention: Callable[[], torch.Tensor] | None = None
 
@@ -127,12 +128,14 @@ class GradualFilter(SelectionStrategy):
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         wide = min(ctx.num_cached, int(math.ceil(ctx.budget * ctx.gradual_expand)))
+        if ctx.layers_left == 0:
+            wide = ctx.budget
         return top_indices(ctx.deviation_scores(), wide)
 
     def refine(self, ctx: SelectionContext, current: torch.Tensor) -> torch.Tensor | None:
         if current.numel() <= ctx.budget:
             return None
-        keep = max(ctx.budget, (current.numel() + 1) // 2)
+        keep = ctx.budget if ctx.layers_left == 0 else max(ctx.budget, (current.numel() + 1) // 2)
         return current[top_indices(ctx.deviation_scores(), keep)]
 
 

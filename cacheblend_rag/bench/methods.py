@@ -1,0 +1,183 @@
+"""The methods a benchmark run compares, and how ``--methods`` names them.
+
+Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO]``.
+
+- ``full_prefill``: the model's own forward over the whole prompt (the reference).
+- ``prefix_caching``: what vLLM/SGLang prefix caching reuses here: the KV of everything up to
+  and including the first passage, computed at its true positions; the rest is computed.
+- ``full_reuse``: every passage's cached KV is reused as is (ratio 0).
+- ``cacheblend``: CacheBlend as published (``kv_deviation`` selection), at every ``--ratios``
+  value unless ``@RATIO`` pins one. ``kv_deviation`` is accepted as the same method.
+- any other registered selection strategy (``sink_aware``, ``query_aware``, ``gradual``, ...):
+  the blend with that selection, at every ratio.
+- ``+prefix``: passages are precomputed behind the prompt text that really precedes them
+  (the rendered system turn, the user header and ``Passages:``) instead of behind nothing.
+  Only methods that reuse chunk KV (``full_reuse`` and blends) take it.
+- ``all``: full prefill, prefix caching, full reuse and every registered strategy.
+
+Result names are unambiguous: ``full_prefill``, ``prefix_caching``, ``full_reuse``,
+``full_reuse+prefix``, ``cacheblend@0.15``, ``sink_aware+prefix@0.15``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.selection import available_strategies
+from cacheblend_rag.errors import ConfigError
+
+MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend"]
+PrefixMode = Literal["off", "on", "both"]
+
+PREFIX_SUFFIX = "+prefix"
+# CacheBlend as published; shown under its own name rather than its selection's.
+CACHEBLEND = "cacheblend"
+CACHEBLEND_SELECTION = "kv_deviation"
+_BASELINES = ("full_prefill", "prefix_caching", "full_reuse")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    kind: MethodKind
+    selection: str | None = None  # blends only
+    ratio: float | None = None  # blends: recompute ratio; full_reuse: 0
+    prefix_conditioned: bool = False
+
+    @property
+    def uses_chunk_cache(self) -> bool:
+        return self.kind in ("full_reuse", "blend")
+
+    @property
+    def family(self) -> str:
+        """The method without its ratio: ``cacheblend``, ``sink_aware+prefix``, ``full_prefill``..."""
+        if self.kind == "blend":
+            base = CACHEBLEND if self.selection == CACHEBLEND_SELECTION else str(self.selection)
+        else:
+            base = self.kind
+        return base + (PREFIX_SUFFIX if self.prefix_conditioned else "")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "blend":
+            return f"{self.family}@{format_ratio(self.ratio)}"
+        return self.family
+
+    def blend_config(self, base: BlendConfig) -> BlendConfig:
+        if self.kind == "full_reuse":
+            return base.with_overrides(recompute_ratio=0.0)
+        if self.kind == "blend":
+            return base.with_overrides(recompute_ratio=self.ratio, selection=self.selection)
+        raise ValueError(f"{self.name} does not blend cached chunks")
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "kind": self.kind,
+            "selection": self.selection,
+            "ratio": 0.0 if self.kind == "full_reuse" else self.ratio,
+            "prefix_conditioned": self.prefix_conditioned,
+        }
+
+
+def format_ratio(ratio: float | None) -> str:
+    return f"{ratio:g}" if ratio is not None else "-"
+
+
+def parse_ratios(text: str | Sequence[float]) -> list[float]:
+    """``"0.05,0.15,0.3"`` -> ``[0.05, 0.15, 0.3]``; each must lie in (0, 1]."""
+    items = [s.strip() for s in text.split(",")] if isinstance(text, str) else list(text)
+    ratios: list[float] = []
+    for item in items:
+        if item == "":
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ConfigError(f"--ratios: {item!r} is not a number; pass e.g. --ratios 0.05,0.15,0.3") from None
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(
+                f"--ratios: {value:g} is out of range; recompute ratios lie in (0, 1] "
+                "(ratio 0 is the full_reuse method)"
+            )
+        if value not in ratios:
+            ratios.append(value)
+    if not ratios:
+        raise ConfigError("--ratios is empty; pass e.g. --ratios 0.05,0.15,0.3")
+    return ratios
+
+
+def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: PrefixMode = "off") -> list[MethodSpec]:
+    """Expand a ``--methods`` string into specs, in the order given, without duplicates.
+
+    ``prefix_conditioned`` applies to every chunk-reusing method: ``off`` keeps the items as
+    written, ``on`` makes them all prefix-conditioned, ``both`` runs each with and without.
+    """
+    if prefix_conditioned not in ("off", "on", "both"):
+        raise ConfigError(f"prefix_conditioned={prefix_conditioned!r}; choose one of 'off', 'on', 'both'")
+    strategies = available_strategies()
+    allowed = [*_BASELINES, CACHEBLEND, *strategies]
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise ConfigError(f"--methods is empty; pass a comma-separated list of {', '.join(allowed)} or 'all'")
+    if "all" in items:
+        at = items.index("all")
+        expanded = [*_BASELINES, CACHEBLEND, *(s for s in strategies if s != CACHEBLEND_SELECTION)]
+        items = items[:at] + expanded + items[at + 1 :]
+
+    specs: list[MethodSpec] = []
+    for item in items:
+        name, pinned = item, None
+        if "@" in name:
+            name, _, ratio_text = name.partition("@")
+            pinned = parse_ratios(ratio_text)
+        prefixed = name.endswith(PREFIX_SUFFIX)
+        if prefixed:
+            name = name[: -len(PREFIX_SUFFIX)]
+        if name not in allowed:
+            raise ConfigError(
+                f"--methods: unknown method {item!r}; choose from {', '.join(allowed)} or 'all', "
+                f"optionally with '{PREFIX_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
+            )
+        if name in ("full_prefill", "prefix_caching"):
+            if prefixed or pinned:
+                raise ConfigError(
+                    f"--methods: {item!r}: {name} reuses no chunk KV, so it takes neither "
+                    f"'{PREFIX_SUFFIX}' nor a ratio"
+                )
+            specs.append(MethodSpec(kind=name))
+            continue
+        if name == "full_reuse" and pinned:
+            raise ConfigError(f"--methods: {item!r}: full_reuse is ratio 0 by definition; drop '@...'")
+        variants = {"off": [prefixed], "on": [True], "both": [False, True]}[prefix_conditioned]
+        for with_prefix in variants:
+            if name == "full_reuse":
+                specs.append(MethodSpec(kind="full_reuse", prefix_conditioned=with_prefix))
+                continue
+            selection = CACHEBLEND_SELECTION if name == CACHEBLEND else name
+            for ratio in pinned or ratios:
+                specs.append(MethodSpec("blend", selection, ratio, with_prefix))
+
+    unique: list[MethodSpec] = []
+    for spec in specs:
+        if spec not in unique:
+            unique.append(spec)
+    return unique
+
+
+def with_references(specs: Sequence[MethodSpec]) -> tuple[list[MethodSpec], list[MethodSpec]]:
+    """Add what the metrics are relative to: full prefill (TTFT speedup, fidelity) and plain
+    full reuse (recovery, "worse than full reuse"). Returns (all specs, the added ones)."""
+    full_prefill = MethodSpec("full_prefill")
+    full_reuse = MethodSpec("full_reuse")
+    added: list[MethodSpec] = []
+    out = list(specs)
+    if full_prefill not in out:
+        out.insert(0, full_prefill)
+        added.append(full_prefill)
+    if any(s.uses_chunk_cache for s in out) and full_reuse not in out:
+        out.insert(out.index(full_prefill) + 1, full_reuse)
+        added.append(full_reuse)
+    return out, added

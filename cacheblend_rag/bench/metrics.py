@@ -1,0 +1,112 @@
+"""Answer-quality and fidelity metrics used by the benchmark harness.
+
+Gold F1 follows CacheBlend's MuSiQue evaluation: the first line of the generated
+answer, SQuAD normalisation, token-level F1, the best score over the gold aliases.
+
+Fidelity compares a method with full prefill along full prefill's own greedy answer
+(teacher forcing): the per-token KL(full || method) and whether both pick the same
+top-1 token. It is far less noisy than F1 on a handful of questions, so it is the
+number quality work steers by.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def first_line(text: str) -> str:
+    """The answer proper: models often add an explanation after a line break."""
+    return text.lstrip("\n").split("\n")[0].strip()
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    """Token-level F1 of two strings after :func:`normalize_answer`.
+
+    Two answers that both normalise to nothing count as a match (SQuAD v2 convention).
+    """
+    pred_tokens = normalize_answer(prediction).split()
+    gold_tokens = normalize_answer(gold).split()
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    common = Counter(pred_tokens) & Counter(gold_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision = same / len(pred_tokens)
+    recall = same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def gold_f1(generated: str, golds: Iterable[str]) -> float:
+    """CacheBlend's MuSiQue metric: F1 of the first line of ``generated``, best over ``golds``."""
+    answer = first_line(generated)
+    scores = [f1_score(answer, gold) for gold in golds]
+    return max(scores) if scores else 0.0
+
+
+def answers_match(generated: str, reference: str) -> bool:
+    """Exact match of two generated answers (their first lines, whitespace-trimmed)."""
+    return first_line(generated) == first_line(reference)
+
+
+def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(reference || other) in nats; both are ``[positions, vocab]`` logits."""
+    if reference_logits.shape != logits.shape:
+        raise ValueError(
+            f"logits shapes differ: reference {tuple(reference_logits.shape)} vs {tuple(logits.shape)}; "
+            "teacher-force both along the same tokens"
+        )
+    ref = F.log_softmax(reference_logits.float(), dim=-1)
+    other = F.log_softmax(logits.float(), dim=-1)
+    # Clamped at 0: identical distributions can come out at -1e-9 in float arithmetic.
+    return (ref.exp() * (ref - other)).sum(dim=-1).clamp(min=0.0)
+
+
+def top1_agreement(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Share of positions where both logits pick the same most likely token."""
+    return float((reference_logits.argmax(dim=-1) == logits.argmax(dim=-1)).float().mean())
+
+
+def recovery(kl: float | None, full_reuse_kl: float | None) -> float | None:
+    """``1 - KL(method) / KL(full reuse)``: 0 for full reuse, 1 for an exact method.
+
+    ``None`` when it is undefined (no full-reuse reference, or full reuse is already exact).
+    """
+    if kl is None or full_reuse_kl is None or full_reuse_kl <= 0.0:
+        return None
+    return 1.0 - kl / full_reuse_kl
+
+
+def summarize(values: Sequence[float]) -> dict[str, float | None]:
+    """Median, 90th percentile and mean of ``values`` (``None`` for an empty list)."""
+    if len(values) == 0:
+        return {"median": None, "p90": None, "mean": None}
+    data = np.asarray(values, dtype=np.float64)
+    return {
+        "median": float(np.median(data)),
+        "p90": float(np.percentile(data, 90)),
+        "mean": float(data.mean()),
+    }
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None

@@ -1,0 +1,222 @@
+"""One timed request per method: prefill (or blend) to the first greedy token, then decoding.
+
+Every method goes through :func:`run_request`, so TTFT means the same everywhere: from the
+request's start to the first sampled token, as in :attr:`GenerationResult.ttft_s`. The same run
+also yields the decoded answer (gold F1, exact match) and, after rolling the cache back to the
+prompt, the teacher-forced logits along full prefill's answer (fidelity). One blend per method
+and question therefore serves TTFT, decoding and quality.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.blend import CacheBlendEngine
+from cacheblend_rag.engine.segments import Segment
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # [vocab], next-token logits after the prompt
+    cache: DynamicCache  # KV of the whole prompt
+    prompt_length: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Request:
+    """A prompt processed one way. :meth:`prepare` is untimed set-up, :meth:`prefill` is timed."""
+
+    def prepare(self) -> None:
+        pass
+
+    def prefill(self) -> PrefillOutput:
+        raise NotImplementedError
+
+
+class FullPrefillRequest(Request):
+    def __init__(self, engine: CacheBlendEngine, input_ids: Sequence[int]) -> None:
+        self.engine = engine
+        self.input_ids = list(input_ids)
+
+    def prefill(self) -> PrefillOutput:
+        result = self.engine.full_prefill(self.input_ids)
+        return PrefillOutput(result.logits, result.cache, len(self.input_ids), result.stats.to_dict())
+
+
+class BlendRequest(Request):
+    """Full reuse or a blend, reading chunk KV from ``store`` (a ChunkCache)."""
+
+    def __init__(self, engine: CacheBlendEngine, segments: list[Segment], config: BlendConfig, store: Any) -> None:
+        self.engine = engine
+        self.segments = segments
+        self.config = config
+        self.store = store
+
+    def prefill(self) -> PrefillOutput:
+        result = self.engine.blend(self.segments, config=self.config, store=self.store)
+        return PrefillOutput(result.logits, result.cache, len(result.input_ids), result.stats.to_dict())
+
+
+class PrefixCachingRequest(Request):
+    """Prefix caching as vLLM/SGLang do it: the KV of the longest cached prefix, computed at its true
+    positions, is reused exactly; the model's own forward computes the rest on top of it.
+
+    ``prefix`` is the cached prefix's prefill (computed once per question). A serving engine
+    shares those KV blocks without copying; the model's forward here appends to the cache it is
+    given, so :meth:`prepare` hands each request its own copy, outside the timed part.
+    With ``prefix=None`` (the cold pass) the prefix is computed inside the timed part.
+    """
+
+    def __init__(
+        self, engine: CacheBlendEngine, input_ids: Sequence[int], prefix_length: int, prefix: PrefillOutput | None
+    ) -> None:
+        self.engine = engine
+        self.input_ids = list(input_ids)
+        self.prefix_length = prefix_length
+        self.prefix = prefix
+        self._cache: DynamicCache | None = None
+
+    def prepare(self) -> None:
+        self._cache = copy.deepcopy(self.prefix.cache) if self.prefix is not None else None
+
+    @torch.inference_mode()
+    def prefill(self) -> PrefillOutput:
+        engine, p = self.engine, self.prefix_length
+        cache = self._cache
+        self._cache = None
+        if cache is None:
+            cache = engine.full_prefill(self.input_ids[:p]).cache
+        rest = torch.tensor([self.input_ids[p:]], dtype=torch.long, device=engine.device)
+        positions = torch.arange(p, len(self.input_ids), device=engine.device).unsqueeze(0)
+        out = engine.model(input_ids=rest, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        n = len(self.input_ids)
+        stats = {"mode": "prefix_caching", "total_tokens": n, "cached_tokens": p, "reused_tokens": p,
+                 "recomputed_tokens": 0, "fresh_tokens": n - p}
+        return PrefillOutput(out.logits[0, -1], cache, n, stats)
+
+
+def eos_token_ids(engine: CacheBlendEngine) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(engine.model, "generation_config", None), engine.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@dataclass
+class RequestRun:
+    ttft_s: float
+    total_s: float
+    token_ids: list[int]  # generated, without the end-of-sequence token
+    text: str
+    stopped_by: int | None  # the end-of-sequence token that ended decoding, if any
+    stats: dict[str, Any]
+    teacher_logits: torch.Tensor | None = None  # [k, vocab] float32 along the teacher tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        decode_time = self.total_s - self.ttft_s
+        if len(self.token_ids) < 2 or decode_time <= 0:
+            return None
+        return (len(self.token_ids) - 1) / decode_time
+
+    def answer_tokens(self, limit: int) -> list[int]:
+        """The first ``limit`` answer tokens, ending with the end-of-sequence token if decoding stopped there."""
+        tokens = self.token_ids[:limit]
+        if len(tokens) < limit and self.stopped_by is not None:
+            tokens.append(self.stopped_by)
+        return tokens
+
+
+def time_to_first_token(request: Request) -> float:
+    """TTFT alone: prefill and the first greedy token, nothing else."""
+    request.prepare()
+    start = time.perf_counter()
+    out = request.prefill()
+    int(out.logits.argmax())
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def run_request(
+    engine: CacheBlendEngine,
+    request: Request,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    ignore_eos: bool = False,
+    teacher_tokens: Sequence[int] | None = None,
+    teacher_limit: int = 16,
+) -> RequestRun:
+    """Prefill, greedy-decode up to ``max_new_tokens``, then teacher-force.
+
+    ``teacher_tokens=None`` teacher-forces along this run's own answer (what full prefill,
+    the reference, does); pass ``teacher_limit=0`` to skip teacher forcing.
+    """
+    request.prepare()
+    start = time.perf_counter()
+    out = request.prefill()
+    token = int(out.logits.argmax())
+    ttft = time.perf_counter() - start
+
+    # The cache is rolled back to the prompt after decoding; one that cannot be cropped is copied now.
+    snapshot = None if teacher_limit <= 0 or out.cache.is_croppable else copy.deepcopy(out.cache)
+    decode_start = time.perf_counter()
+    cache, position = out.cache, out.prompt_length
+    tokens: list[int] = []
+    stopped_by = None
+    while True:
+        if token in eos_ids and not ignore_eos:
+            stopped_by = token
+            break
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens:
+            break
+        ids = torch.tensor([[token]], dtype=torch.long, device=engine.device)
+        pos = torch.tensor([[position]], dtype=torch.long, device=engine.device)
+        token = int(engine.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True).logits[0, -1].argmax())
+        position += 1
+    total = ttft + time.perf_counter() - decode_start
+    run = RequestRun(
+        ttft_s=ttft, total_s=total, token_ids=tokens,
+        text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
+        stopped_by=stopped_by, stats=out.stats,
+    )
+    if teacher_limit > 0:
+        forced = run.answer_tokens(teacher_limit) if teacher_tokens is None else list(teacher_tokens)
+        if snapshot is not None:
+            cache = snapshot
+        else:
+            extra = cache.get_seq_length() - out.prompt_length
+            if extra > 0:
+                cache.crop(-extra)
+        run.teacher_logits = teacher_forced_logits(engine, out.logits, cache, out.prompt_length, forced)
+    return run
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    engine: CacheBlendEngine, first_logits: torch.Tensor, cache: DynamicCache, prompt_length: int, tokens: Sequence[int]
+) -> torch.Tensor:
+    """Logits predicting each of ``tokens`` in turn, ``[len(tokens), vocab]`` in float32.
+
+    The first comes from the prefill itself; the rest from one forward over ``tokens[:-1]``
+    on top of the method's own prompt cache.
+    """
+    rows = [first_logits.float().unsqueeze(0)]
+    if len(tokens) > 1:
+        ids = torch.tensor([list(tokens[:-1])], dtype=torch.long, device=engine.device)
+        positions = torch.arange(prompt_length, prompt_length + ids.shape[1], device=engine.device).unsqueeze(0)
+        out = engine.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
+        rows.append(out.logits[0].float())
+    return torch.cat(rows, dim=0).cpu()

