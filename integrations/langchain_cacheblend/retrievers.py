@@ -1,0 +1,61 @@
+"""CacheBlendRetriever: wraps any retriever so the chat model can reuse the KV of what it retrieves."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever, RetrieverLike
+from pydantic import ConfigDict
+
+from cacheblend_rag.store import WarmSummary
+from langchain_cacheblend.chat_models import ChatCacheBlend
+
+
+class CacheBlendRetriever(BaseRetriever):
+    """Returns the wrapped retriever's documents unchanged, after making their KV ready.
+
+    For each query it precomputes the KV of retrieved documents that are not cached
+    yet and tells ``llm`` that the coming prompt may contain their ``page_content``
+    verbatim (``format_docs`` that joins ``page_content`` does exactly that).
+
+    .. code-block:: python
+
+        llm = ChatCacheBlend()
+        retriever = CacheBlendRetriever(retriever=vectorstore.as_retriever(), llm=llm)
+        retriever.warm(all_documents)          # optional: precompute the whole corpus up front
+        chain = (
+            {"context": retriever | format_docs, "question": RunnablePassthrough()}
+            | prompt | llm | StrOutputParser()
+        )
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: RetrieverLike
+    """The retriever (or any runnable from a query to documents) to wrap."""
+    llm: ChatCacheBlend
+    """The chat model that will read the documents."""
+    show_progress: bool = False
+    """Show a progress bar when a query's documents need precomputing."""
+
+    def warm(self, documents: Iterable[Document | str], *, show_progress: bool = True) -> WarmSummary:
+        """Precompute the KV of documents (or texts) up front, e.g. the whole corpus."""
+        return self.llm.warm(documents, show_progress=show_progress)
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        self.llm.warm(documents, show_progress=self.show_progress)
+        return documents
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        # Precomputing is model work: keep it off the event loop.
+        await asyncio.to_thread(self.llm.warm, documents, show_progress=self.show_progress)
+        return documents
