@@ -1,5 +1,19 @@
-"""Chunk KV storage. (Issue 3 builds the persistent backends; this is the contract the engine and integrations use.)"""
+"""Chunk KV storage: content-addressed, checksummed, per-layer values in memory, on disk, or tiered.
 
+Most users need only :class:`ChunkCache` (what ``engine.blend(store=...)`` and the
+integrations talk to) and :func:`open_store`.
+"""
+
+from cacheblend_rag.store.base import KVStore, StoreStats
 from cacheblend_rag.store.chunk_cache import ChunkCache, WarmSummary
+from cacheblend_rag.store.disk import DiskKVStore
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.factory import open_store, parse_size, register_store_scheme
+from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.memory import MemoryKVStore
+from cacheblend_rag.store.tiered import TieredKVStore
 
-__all__ = ["ChunkCache", "WarmSummary"]
+__all__ = [
+    "ChunkCache", "CorruptEntryError", "DiskKVStore", "KVStore", "MemoryKVStore", "StoreError", "StoreStats",
+    "TieredKVStore", "WarmSummary", "chunk_key", "open_store", "parse_size", "register_store_scheme",
+]

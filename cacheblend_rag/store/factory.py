@@ -1,0 +1,84 @@
+"""Open a store from a short spec string, as the CLI and config files give it.
+
+=====================  ==========================================================
+spec                   store
+=====================  ==========================================================
+``memory``             :class:`MemoryKVStore` (``memory:2GB`` bounds it)
+``PATH``, ``disk:PATH`` :class:`DiskKVStore` at ``PATH``
+``tiered:PATH``        :class:`TieredKVStore` of memory in front of disk at ``PATH``
+``SCHEME://...``       a backend registered for ``SCHEME`` (``redis://`` once installed)
+=====================  ==========================================================
+
+Other backends plug in with :func:`register_store_scheme`; the modules named in
+``_LAZY_SCHEMES`` are imported on first use so that they register themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.base import KVStore
+
+StoreFactory = Callable[..., KVStore]
+_SCHEMES: dict[str, StoreFactory] = {}
+# scheme -> module that calls register_store_scheme(scheme, ...) when imported
+_LAZY_SCHEMES = {"redis": "cacheblend_rag.store.redis_store", "rediss": "cacheblend_rag.store.redis_store"}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"1e9"`` or an int -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"size {text!r} is not understood; write a number of bytes with an optional unit "
+                          f"({', '.join(u.upper() for u in _UNITS if u)}), e.g. 512MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def register_store_scheme(scheme: str, factory: StoreFactory) -> None:
+    """Make ``open_store("scheme://...")`` call ``factory(spec, **options)``."""
+    _SCHEMES[scheme.lower()] = factory
+
+
+def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | None = None, **options: Any) -> KVStore:
+    """The store a spec names (see the module docstring); a :class:`KVStore` is returned as is.
+
+    ``size_limit`` bounds a disk store (or the memory tier of ``memory``) in bytes or with a unit.
+    """
+    from cacheblend_rag.store.disk import DiskKVStore
+    from cacheblend_rag.store.memory import MemoryKVStore
+    from cacheblend_rag.store.tiered import TieredKVStore
+
+    if isinstance(spec, KVStore):
+        return spec
+    limit = None if size_limit is None else parse_size(size_limit)
+    if spec is None or str(spec) == "memory":
+        return MemoryKVStore(max_bytes=limit)
+    text = str(spec)
+    if text.startswith("memory:"):
+        return MemoryKVStore(max_bytes=parse_size(text.removeprefix("memory:")))
+    scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", text)
+    if scheme:
+        name = scheme.group(1).lower()
+        if name not in _SCHEMES and name in _LAZY_SCHEMES:
+            try:
+                importlib.import_module(_LAZY_SCHEMES[name])
+            except ModuleNotFoundError as exc:
+                raise ConfigError(f"store {text!r} needs the {name} backend, which is not available here: {exc}") from None
+        if name == "file":
+            return DiskKVStore(text.removeprefix("file://"), size_limit=limit, **options)
+        if name not in _SCHEMES:
+            raise ConfigError(f"store {text!r} has an unknown scheme {name!r}; known: "
+                              f"{', '.join(sorted({'file', *_SCHEMES, *_LAZY_SCHEMES}))}, or a directory path")
+        return _SCHEMES[name](text, size_limit=limit, **options)
+    if text.startswith("tiered:"):
+        return TieredKVStore(MemoryKVStore(), DiskKVStore(text.removeprefix("tiered:"), size_limit=limit, **options))
+    return DiskKVStore(text.removeprefix("disk:"), size_limit=limit, **options)
