@@ -1,79 +1,382 @@
 """ChunkCache: what the engine and the integrations talk to.
 
-PROVISIONAL in-memory implementation; the KV store issue replaces the internals
-with KVStore backends (memory, disk, tiered) and a pipelined loader while keeping
-this public surface:
+It turns chunks (token ids, optionally behind a conditioning prefix) into store keys,
+precomputes and writes chunk KV (:meth:`ChunkCache.warm`), and serves a blend
+(``engine.blend(segments, store=chunk_cache)``, :meth:`ChunkCache.open_source`):
 
-- ``ChunkCache(engine, store=None, *, prefix_ids=(), batch_size=8)``
-- ``open_source(engine, segments) -> (CachedKVSource, hits, misses)``  (engine.blend(store=...))
-- ``warm(items, *, show_progress=False) -> WarmSummary``  (texts or token lists)
-- ``contains(token_ids, prefix_ids=None) -> bool``
+1. the manifests of every stored segment are read and checked against the model;
+2. chunks without a valid entry are computed fresh, in one batch, and used directly;
+   their KV is written back to the store on a background thread, so the answer waits
+   only for the computation;
+3. the rest is read layer by layer by a :class:`~cacheblend_rag.store.loader.PipelinedKVSource`,
+   one layer ahead of the blend.
+
+Failures never fail a request. A damaged entry is logged, counted as ``corrupt``, deleted
+and recomputed; a store that cannot be read or written is treated as empty, with a
+warning (at most one a minute for the same kind of failure).
+
+Storage dtype: ``"auto"`` (the default) stores 16 bits per value. If the model computes in
+float16 or bfloat16, that dtype is used and storage is lossless. If it computes in float32,
+layers are stored as float16 (3 more bits of mantissa than bfloat16, so about 8x smaller
+rounding error), except a layer with a value beyond float16's range (|x| > 65504), which is
+stored as bfloat16 rather than overflow to infinity. ``"float32"`` stores exactly what an
+float32 model computed, at twice the bytes. Values are converted to the compute dtype on load.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.base import KVStore, StoreStats
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.factory import open_store
+from cacheblend_rag.store.format import Manifest, decode_layer, decode_manifest, encode_layer, encode_manifest, value_digest
+from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
+
+logger = logging.getLogger(__name__)
+
+STORAGE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_FLOAT16_MAX = 65504.0
+_WARN_INTERVAL_S = 60.0
 
 
 @dataclass
 class WarmSummary:
-    new: int = 0
-    present: int = 0
+    new: int = 0  # chunks computed and written by this call
+    present: int = 0  # chunks already in the store (or written meanwhile by another process)
     bytes_written: int = 0
+    failed: int = 0  # chunks computed but not written because the store failed
 
 
 class ChunkCache:
-    def __init__(self, engine: Any, store: Any = None, *, prefix_ids: Sequence[int] = (), batch_size: int = 8) -> None:
+    """Chunk KV in a :class:`KVStore` for one engine.
+
+    ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: an unbounded
+    memory store). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
+    behind; a :class:`StoredSegment` names its own prefix. ``prefetch=False`` turns off the
+    layer read-ahead; ``write_back=False`` keeps missed chunks out of the store.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        store: KVStore | str | Path | None = None,
+        *,
+        prefix_ids: Sequence[int] = (),
+        batch_size: int = 8,
+        storage_dtype: str | torch.dtype = "auto",
+        prefetch: bool = True,
+        write_back: bool = True,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+        if isinstance(storage_dtype, torch.dtype):
+            storage_dtype = str(storage_dtype).removeprefix("torch.")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"storage_dtype={storage_dtype!r} is not supported; choose one of "
+                              f"{', '.join(map(repr, STORAGE_DTYPES))}")
         self.engine = engine
-        self.store = store
+        self._owns_store = not isinstance(store, KVStore)
+        self.store: KVStore = open_store(store)
         self.prefix_ids = tuple(int(t) for t in prefix_ids)
         self.batch_size = batch_size
-        self._chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkKV] = {}
+        self.storage_dtype = storage_dtype
+        self.prefetch = prefetch
+        self.write_back = write_back
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-writer")
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
+        self._last_warning: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- keys
+    def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None) -> str:
+        prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
+        return chunk_key((engine or self.engine).fingerprint, token_ids, prefix)
+
+    def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> bool:
+        try:
+            return self.store.contains(self.key_for(token_ids, prefix_ids))
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            return False
 
     def _ids(self, item: str | Sequence[int]) -> tuple[int, ...]:
         return tuple(self.engine.tokenize(item)) if isinstance(item, str) else tuple(int(t) for t in item)
 
-    def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> bool:
-        prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
-        return (tuple(token_ids), prefix) in self._chunks
+    # ---------------------------------------------------------------- reads
+    def _valid_manifest(self, engine: Any, key: str, data: bytes | None, num_tokens: int) -> Manifest | None:
+        """The manifest if it is whole and fits this model; a damaged one is removed and counted."""
+        if data is None:
+            return None
+        try:
+            manifest = decode_manifest(data, expected_key=key)
+            adapter = engine.adapter
+            expected = (engine.num_layers, num_tokens, adapter.num_kv_heads, adapter.head_dim)
+            got = (manifest.num_layers, manifest.num_tokens, manifest.kv_heads, manifest.head_dim)
+            if got != expected:
+                raise CorruptEntryError(f"manifest describes (layers, tokens, kv_heads, head_dim)={got}, "
+                                        f"this model and chunk need {expected}")
+            return manifest
+        except CorruptEntryError as exc:
+            self._discard(key, str(exc))
+            return None
 
+    def _discard(self, key: str, reason: str) -> None:
+        logger.warning("corrupt KV store entry %s... (%s); deleting it, the chunk is recomputed", key[:12], reason)
+        try:
+            self.store.delete(key)
+            self.store.record(corrupt=1)
+        except (StoreError, OSError) as exc:
+            self._warn("write", exc)
+
+    def load(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> ChunkKV | None:
+        """The whole stored chunk in the engine's dtype, or ``None`` if absent (or found damaged)."""
+        prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
+        ids = tuple(int(t) for t in token_ids)
+        key = self.key_for(ids, prefix)
+        try:
+            manifest = self._valid_manifest(self.engine, key, self.store.get_manifest(key), len(ids))
+            if manifest is None:
+                return None
+            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            return None
+        keys, values = [], []
+        try:
+            for i, blob in enumerate(blobs):
+                if blob is None or value_digest(blob) != manifest.layer_digests[i]:
+                    raise CorruptEntryError(f"layer {i} is missing or not the value its manifest names")
+                k, v = decode_layer(blob, manifest.layer_shape)
+                keys.append(k.to(self.engine.device, self.engine.dtype))
+                values.append(v.to(self.engine.device, self.engine.dtype))
+        except CorruptEntryError as exc:
+            self._discard(key, str(exc))
+            return None
+        return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
+
+    def open_source(self, engine: Any, segments: Sequence[StoredSegment]) -> tuple[CachedKVSource, int, int]:
+        """A layer-wise source over ``segments`` (in order), plus the numbers of hits and misses."""
+        keys = [self.key_for(s.token_ids, s.prefix_ids, engine) for s in segments]
+        try:
+            manifests = self.store.get_manifests(keys)
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            manifests = [None] * len(keys)
+        plans: list[PlannedChunk | None] = []
+        missing: list[int] = []
+        for i, (segment, key, data) in enumerate(zip(segments, keys, manifests)):
+            manifest = self._valid_manifest(engine, key, data, len(segment.token_ids))
+            if manifest is None:
+                missing.append(i)
+                plans.append(None)
+            else:
+                plans.append(PlannedChunk(segment, key, manifest=manifest))
+        fresh = self._compute(engine, [segments[i] for i in missing])
+        for i, chunk in zip(missing, fresh):
+            plans[i] = PlannedChunk(segments[i], keys[i], fresh=chunk)
+            self._submit_write(keys[i], chunk)
+        hits, misses = len(segments) - len(missing), len(missing)
+        self._submit(self._record, hits=hits, misses=misses)
+        planned = [p for p in plans if p is not None]
+        if not any(p.manifest is not None for p in planned):
+            return InMemoryKVSource(fresh, engine.device, engine.dtype), hits, misses
+        ratio = engine.config.recompute_ratio
+        source = PipelinedKVSource(
+            self.store, engine, planned, prefetch=self.prefetch,
+            first_layer=engine.config.check_layer if ratio > 0 else 0,
+            on_damaged=self._on_damaged,
+        )
+        return source, hits, misses
+
+    def _compute(self, engine: Any, segments: Sequence[StoredSegment]) -> list[ChunkKV]:
+        """Fresh KV of ``segments``, batched per distinct prefix, in the order given."""
+        out: dict[int, ChunkKV] = {}
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(segments):
+            by_prefix.setdefault(s.prefix_ids, []).append(i)
+        for prefix, indexes in by_prefix.items():
+            chunks = engine.prefill_chunks([segments[i].token_ids for i in indexes], prefix_ids=prefix,
+                                           batch_size=self.batch_size)
+            out.update(zip(indexes, chunks))
+        return [out[i] for i in range(len(segments))]
+
+    def _on_damaged(self, chunk: PlannedChunk, reason: str, fresh: ChunkKV) -> None:
+        # Runs on the loader thread; the slow parts go to the writer thread.
+        self._submit(self._replace, chunk.key, reason, fresh)
+
+    def _replace(self, key: str, reason: str, fresh: ChunkKV) -> None:
+        self._discard(key, reason)
+        if self.write_back:
+            self._write_logged(key, fresh)
+
+    # --------------------------------------------------------------- writes
+    def _storage_dtype(self, keys: torch.Tensor, values: torch.Tensor) -> torch.dtype:
+        chosen = STORAGE_DTYPES[self.storage_dtype]
+        if chosen is not None:
+            return chosen
+        if keys.dtype in (torch.float16, torch.bfloat16):
+            return keys.dtype
+        peak = max(float(keys.abs().max()), float(values.abs().max())) if keys.numel() else 0.0
+        return torch.float16 if peak <= _FLOAT16_MAX else torch.bfloat16
+
+    def put(self, chunk: ChunkKV, key: str | None = None) -> int:
+        """Write one chunk now; returns the bytes written (0 if it was already there).
+
+        Layers go first, the manifest last. If writing fails, this write's layers are
+        removed again (best effort) and :class:`StoreError` is raised; the chunk stays absent.
+        """
+        key = key or self.key_for(chunk.token_ids, chunk.prefix_ids)
+        write_id = os.urandom(8).hex()
+        digests, nbytes, written = [], 0, 0
+        try:
+            for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values)):
+                blob = encode_layer(k, v, self._storage_dtype(k, v))
+                self.store.put_layer(key, write_id, layer, blob)
+                written = layer + 1
+                digests.append(value_digest(blob))
+                nbytes += len(blob)
+            kv_heads, num_tokens, head_dim = chunk.keys[0].shape
+            manifest = Manifest(key=key, write_id=write_id, num_layers=chunk.num_layers, num_tokens=num_tokens,
+                                kv_heads=kv_heads, head_dim=head_dim, layer_digests=tuple(digests),
+                                nbytes=nbytes, created=time.time())
+            won = self.store.add_manifest(key, encode_manifest(manifest))
+        except BaseException:
+            self._forget_layers(key, write_id, written)
+            raise
+        if not won:  # another writer completed the same chunk first; its entry stands
+            self._forget_layers(key, write_id, written)
+            return 0
+        return nbytes
+
+    def _forget_layers(self, key: str, write_id: str, num_layers: int) -> None:
+        try:
+            self.store.delete_layers(key, write_id, num_layers)
+        except (StoreError, OSError):
+            pass  # the store is failing anyway; orphaned layers are never read and get evicted
+
+    def _write_logged(self, key: str, chunk: ChunkKV) -> int | None:
+        try:
+            return self.put(chunk, key)
+        except (StoreError, OSError) as exc:
+            self._warn("write", exc)
+            return None
+
+    def _submit_write(self, key: str, chunk: ChunkKV) -> None:
+        if self.write_back:
+            self._submit(self._write_logged, key, chunk)
+
+    def _record(self, **counts: int) -> None:
+        try:
+            self.store.record(**counts)
+        except (StoreError, OSError) as exc:
+            self._warn("write", exc)
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        future = self._writer.submit(fn, *args, **kwargs)
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("background KV store work failed", exc_info=future.exception())
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for background write-backs and counter updates to finish."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._pending_lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            for future in pending:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                future.exception(timeout=remaining)
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        kind = f"{what}:{type(exc).__name__}"
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
+            self._last_warning[kind] = now
+            logger.warning("KV store %s failed to %s (%s); answering by computing chunk KV fresh",
+                           self.store.describe(), what, exc)
+
+    # ------------------------------------------------------------ precompute
     def warm(self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False) -> WarmSummary:
+        """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches."""
         summary = WarmSummary()
         todo: list[tuple[int, ...]] = []
+        seen: set[tuple[int, ...]] = set()
         for item in items:
             ids = self._ids(item)
             if not ids:
                 continue
-            if self.contains(ids) or ids in todo:
+            if ids in seen or self.contains(ids):
                 summary.present += 1
             else:
                 todo.append(ids)
+            seen.add(ids)
         bar = tqdm(total=len(todo), desc="precompute chunk KV", unit="chunk", disable=not show_progress)
+        writes: list[Future] = []
         for start in range(0, len(todo), self.batch_size):
             batch = todo[start : start + self.batch_size]
-            for chunk in self.engine.prefill_chunks(batch, prefix_ids=self.prefix_ids, batch_size=self.batch_size):
-                self._chunks[(chunk.token_ids, chunk.prefix_ids)] = chunk
-                summary.new += 1
-                summary.bytes_written += chunk.nbytes
+            chunks = self.engine.prefill_chunks(batch, prefix_ids=self.prefix_ids, batch_size=self.batch_size)
+            # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
+            for future in writes:
+                self._tally(summary, future.result())
+            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids), c)
+                      for c in chunks]
             bar.update(len(batch))
+        for future in writes:
+            self._tally(summary, future.result())
         bar.close()
         return summary
 
-    def open_source(self, engine: Any, segments: Sequence[StoredSegment]) -> tuple[CachedKVSource, int, int]:
-        hits = misses = 0
-        chunks: list[ChunkKV] = []
-        missing = [s for s in segments if (s.token_ids, s.prefix_ids) not in self._chunks]
-        for s in missing:
-            if (s.token_ids, s.prefix_ids) not in self._chunks:
-                self._chunks[(s.token_ids, s.prefix_ids)] = engine.prefill_chunk(s.token_ids, prefix_ids=s.prefix_ids)
-        for s in segments:
-            chunks.append(self._chunks[(s.token_ids, s.prefix_ids)])
-        misses = len(missing)
-        hits = len(segments) - misses
-        return InMemoryKVSource(chunks, engine.device, engine.dtype), hits, misses
+    @staticmethod
+    def _tally(summary: WarmSummary, written: int | None) -> None:
+        if written is None:
+            summary.failed += 1
+        elif written:
+            summary.new += 1
+            summary.bytes_written += written
+        else:
+            summary.present += 1
+
+    # --------------------------------------------------------------- admin
+    def stats(self) -> StoreStats:
+        self.flush()
+        return self.store.stats()
+
+    def close(self) -> None:
+        """Finish background writes; close the store if this cache opened it from a spec."""
+        self.flush()
+        self._writer.shutdown(wait=True)
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "ChunkCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ChunkCache({self.store.describe()}, storage_dtype={self.storage_dtype!r})"

@@ -1,0 +1,191 @@
+"""Layer-pipelined loading of stored chunk KV into a blend.
+
+The engine asks a :class:`CachedKVSource` for layer ``l`` of all cached tokens exactly when
+it needs it, in increasing ``l``. :class:`PipelinedKVSource` uses that order: while layer
+``l`` computes, one background thread already reads layer ``l + 1`` of every chunk from the
+store, checks it, decodes it, converts it to the compute dtype and concatenates the chunks.
+On CUDA the result is staged in pinned memory and copied on a side stream, and the engine's
+stream waits on an event instead of the whole device.
+
+A chunk whose layer turns out missing or damaged in the middle of a blend cannot be
+re-fetched: the blend has already used its earlier layers. Those layers passed their
+checksums, so they are right; the loader recomputes the chunk (``engine.prefill_chunk``)
+and serves this and every later layer from the fresh KV. The answer stays correct and
+the damaged entry is deleted, counted and written anew (see ``ChunkCache``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from cacheblend_rag.engine.kv_source import CachedKVSource
+from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
+from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.format import Manifest, decode_layer, value_digest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedChunk:
+    """One chunk of the prompt: read from the store (``manifest``) or already computed (``fresh``)."""
+
+    segment: StoredSegment
+    key: str
+    manifest: Manifest | None = None
+    fresh: ChunkKV | None = None
+    damaged: str | None = field(default=None)  # why the stored copy was abandoned mid-load
+
+    def __post_init__(self) -> None:
+        if (self.manifest is None) == (self.fresh is None):
+            raise ValueError("a planned chunk needs exactly one of manifest (stored) or fresh (computed)")
+
+
+# Called with (chunk, reason, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
+DamageHandler = Callable[[PlannedChunk, str, ChunkKV], None]
+
+
+class PipelinedKVSource(CachedKVSource):
+    """Layer ``l`` of the planned chunks, concatenated in order, with layer ``l + 1`` read ahead.
+
+    ``prefetch=False`` reads each layer only when asked (the baseline the benchmark compares
+    against). ``first_layer`` is the layer the blend will ask for first (its check layer, or 0
+    for full reuse); reading starts there as soon as the source is made.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        engine: Any,
+        chunks: Sequence[PlannedChunk],
+        *,
+        prefetch: bool = True,
+        first_layer: int = 0,
+        depth: int = 1,
+        on_damaged: DamageHandler | None = None,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.chunks = list(chunks)
+        self.prefetch = prefetch
+        self.depth = max(1, depth)
+        self.on_damaged = on_damaged
+        self.device = torch.device(engine.device)
+        self.dtype = engine.dtype
+        self.num_layers = engine.num_layers
+        self.wait_seconds = 0.0
+        self.bytes_read = 0
+        self._futures: dict[int, Future] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+        if prefetch and any(c.manifest is not None for c in self.chunks):
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-loader")
+            self._schedule(first_layer)
+
+    # ------------------------------------------------------------ engine side
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} is out of range for a model with {self.num_layers} layers")
+        start = time.perf_counter()
+        if self._executor is None:
+            k, v, event = self._load(index)
+        else:
+            for stale in [i for i in self._futures if i < index]:
+                self._futures.pop(stale).cancel()  # read ahead but never asked for
+            self._schedule(index)
+            future = self._futures.pop(index)
+            for ahead in range(index + 1, min(index + 1 + self.depth, self.num_layers)):
+                self._schedule(ahead)
+            k, v, event = future.result()
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            k.record_stream(current)
+            v.record_stream(current)
+        self.wait_seconds += time.perf_counter() - start
+        return k, v
+
+    def close(self) -> None:
+        if self._executor is not None:
+            for future in self._futures.values():
+                future.cancel()
+            self._futures.clear()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------ loader side
+    def _schedule(self, index: int) -> None:
+        if self._executor is not None and index not in self._futures and 0 <= index < self.num_layers:
+            self._futures[index] = self._executor.submit(self._load, index)
+
+    def _load(self, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Layer ``index`` of every chunk, on the engine's device and dtype (runs on the loader thread)."""
+        stored = [c for c in self.chunks if c.fresh is None]
+        blobs: list[bytes | None] = []
+        if stored:
+            try:
+                blobs = self.store.get_layers([(c.key, c.manifest.write_id, index) for c in stored])
+            except (StoreError, OSError) as exc:
+                blobs = [None] * len(stored)
+                for c in stored:
+                    self._recompute(c, f"store failed to read layer {index}: {exc}", index, damaged=False)
+        decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for chunk, blob in zip(stored, blobs):
+            if chunk.fresh is not None:
+                continue
+            try:
+                if blob is None:
+                    raise CorruptEntryError(f"layer {index} is missing")
+                self.bytes_read += len(blob)
+                if value_digest(blob) != chunk.manifest.layer_digests[index]:
+                    raise CorruptEntryError(f"layer {index} is not the value its manifest names")
+                decoded[id(chunk)] = decode_layer(blob, chunk.manifest.layer_shape)
+            except CorruptEntryError as exc:
+                self._recompute(chunk, str(exc), index, damaged=True)
+        keys, values = [], []
+        for chunk in self.chunks:
+            if chunk.fresh is not None:
+                keys.append(chunk.fresh.keys[index])
+                values.append(chunk.fresh.values[index])
+            else:
+                k, v = decoded[id(chunk)]
+                keys.append(k)
+                values.append(v)
+        return self._to_device(keys, values)
+
+    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool) -> None:
+        logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
+                       chunk.key[:12], index, reason)
+        chunk.fresh = self.engine.prefill_chunk(chunk.segment.token_ids, prefix_ids=chunk.segment.prefix_ids)
+        chunk.damaged = reason if damaged else None
+        if self.on_damaged is not None and damaged:
+            self.on_damaged(chunk, reason, chunk.fresh)
+
+    def _to_device(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        if self._stream is None:
+            k = torch.cat([t.to(self.dtype) for t in keys], dim=1) if len(keys) > 1 else keys[0].to(self.dtype)
+            v = torch.cat([t.to(self.dtype) for t in values], dim=1) if len(values) > 1 else values[0].to(self.dtype)
+            return k.to(self.device), v.to(self.device), None
+        # CUDA: copy the (16-bit) bytes from pinned memory on a side stream and convert on the
+        # device; recomputed chunks are already there, made on the default stream.
+        self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            def move(t: torch.Tensor) -> torch.Tensor:
+                if t.device.type == "cpu":
+                    t = t.pin_memory().to(self.device, non_blocking=True)
+                return t.to(self.dtype)
+
+            k = torch.cat([move(t) for t in keys], dim=1)
+            v = torch.cat([move(t) for t in values], dim=1)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return k, v, event
