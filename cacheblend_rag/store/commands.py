@@ -1,0 +1,128 @@
+"""CLI commands of the KV store: ``cache stats``, ``cache clear`` and ``warm``.
+
+``warm`` reads chunks from files:
+
+* ``.txt`` (or any other extension): one chunk per paragraph; paragraphs are separated
+  by blank lines and stripped of surrounding whitespace;
+* ``.jsonl``: one JSON object per line; its ``text`` field is the chunk, verbatim.
+
+A chunk is a cache hit later only if a blend sees exactly the same text (and prefix), so
+feed ``warm`` the texts your retriever returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.factory import open_store
+
+
+def _add_store_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--path", help="directory of a disk store")
+    where.add_argument("--store", help="store spec: a directory, disk:PATH, tiered:PATH, memory, or SCHEME://...")
+    parser.add_argument("--size-limit", help="bound a disk store, e.g. 20GB (whole chunks are evicted, oldest first)")
+
+
+def _open(args: argparse.Namespace) -> KVStore:
+    return open_store(args.path if args.path is not None else args.store, size_limit=args.size_limit)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    cache = subparsers.add_parser("cache", help="inspect or empty a chunk KV store")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+
+    stats = cache_sub.add_parser("stats", help="entries, bytes, hits, misses, evictions and corrupt entries")
+    _add_store_options(stats)
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(func=_cmd_stats)
+
+    clear = cache_sub.add_parser("clear", help="remove every entry and reset the counters")
+    _add_store_options(clear)
+    clear.set_defaults(func=_cmd_clear)
+
+    warm = subparsers.add_parser("warm", help="precompute chunk KV of text (.txt) or JSONL (.jsonl) files into a store",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_store_options(warm)
+    warm.add_argument("files", nargs="+", type=Path, metavar="FILES", help=".txt or .jsonl files of chunks")
+    warm.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
+    warm.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cuda if available, else cpu)")
+    warm.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (default: the loader's choice)")
+    warm.add_argument("--prefix", default="", help="conditioning prefix text the chunks are computed behind")
+    warm.add_argument("--storage-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                      help="bits kept per value (default auto: 16)")
+    warm.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
+    warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    warm.set_defaults(func=_cmd_warm)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        stats = store.stats()
+    if args.json:
+        print(json.dumps({"store": store.describe(), **stats.to_dict()}, indent=2))
+        return 0
+    print(store.describe())
+    for name in ("entries", "bytes", "hits", "misses", "evictions", "corrupt"):
+        print(f"  {name:<10} {getattr(stats, name):>14,}")
+    return 0
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        entries = store.stats().entries
+        store.clear()
+    print(f"cleared {entries} entries from {store.describe()}")
+    return 0
+
+
+def read_chunks(path: Path) -> Iterator[str]:
+    """Chunk texts of one file (see the module docstring for the formats)."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file; pass .txt or .jsonl files of chunks")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() != ".jsonl":
+        paragraphs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
+        yield from (p for p in paragraphs if p)
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); write one JSON object per line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ConfigError(f'{path}:{number} has no string "text" field; write {{"text": "..."}} per line')
+        yield record["text"]
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.store.chunk_cache import ChunkCache
+
+    texts = [chunk for path in args.files for chunk in read_chunks(path)]
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    prefix = engine.tokenize(args.prefix) if args.prefix else ()
+    with ChunkCache(engine, _open(args), prefix_ids=prefix, batch_size=args.batch_size,
+                    storage_dtype=args.storage_dtype) as cache:
+        summary = cache.warm(texts, show_progress=not args.no_progress)
+        stats = cache.stats()
+        cache.store.close()
+    print(json.dumps({"store": cache.store.describe(), "chunks": len(texts), "new": summary.new,
+                      "present": summary.present, "failed": summary.failed,
+                      "bytes_written": summary.bytes_written, "entries": stats.entries, "bytes": stats.bytes}))
+    return 1 if summary.failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="cacheblend-rag")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))
