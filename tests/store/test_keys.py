@@ -1,0 +1,38 @@
+"""Content-addressed keys: stable across processes, distinct across model, prefix, tokens and version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from cacheblend_rag.store.keys import chunk_key
+
+
+def test_key_is_stable_across_processes():
+    code = "from cacheblend_rag.store.keys import chunk_key; print(chunk_key('model-a', [1, 2, 3], [9]))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == chunk_key("model-a", [1, 2, 3], [9])
+    # A literal, so that a change of the key derivation (which orphans every store) is deliberate.
+    assert chunk_key("model-a", [1, 2, 3], [9]) == "9c33c09bc22a00b76b0759eb625e6ede992e05e475b43fa9dd538a8029441c7b"
+
+
+def test_every_input_changes_the_key():
+    base = chunk_key("model-a", [1, 2, 3], [9])
+    variants = {
+        chunk_key("model-b", [1, 2, 3], [9]),
+        chunk_key("model-a", [1, 2, 4], [9]),
+        chunk_key("model-a", [1, 2, 3], []),
+        chunk_key("model-a", [1, 2, 3], [9], format_version=2),
+        # the same ids split differently between prefix and chunk
+        chunk_key("model-a", [9, 1, 2, 3], []),
+        chunk_key("model-a", [2, 3], [9, 1]),
+    }
+    assert base not in variants and len(variants) == 6
+
+
+def test_keys_of_a_real_engine_depend_on_its_weights():
+    from cacheblend_rag.testing import tiny_engine
+
+    a, b = tiny_engine(seed=0), tiny_engine(seed=1)
+    assert a.fingerprint != b.fingerprint
+    assert chunk_key(a.fingerprint, [5, 6]) != chunk_key(b.fingerprint, [5, 6])
