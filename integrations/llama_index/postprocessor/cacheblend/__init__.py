@@ -1,0 +1,13 @@
+"""LlamaIndex retrieval-side pieces of CacheBlend.
+
+- ``CacheBlendNodePostprocessor``: at query time, makes every retrieved node's KV ready
+  and tells the :class:`~llama_index.llms.cacheblend.CacheBlendLLM` which chunk texts
+  the prompt will contain.
+- ``CacheBlendKVPrecompute``: an ``IngestionPipeline`` transformation that precomputes
+  the KV of every node at index time (CacheBlend's offline step).
+"""
+
+from llama_index.postprocessor.cacheblend.base import CacheBlendNodePostprocessor
+from llama_index.postprocessor.cacheblend.ingestion import CacheBlendKVPrecompute
+
+__all__ = ["CacheBlendKVPrecompute", "CacheBlendNodePostprocessor"]
