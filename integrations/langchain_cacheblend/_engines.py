@@ -12,13 +12,12 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
-from cacheblend_rag.store import ChunkCache
+from cacheblend_rag.store import ChunkCache, KVStore
 
 # Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
 TINY_MODEL_PREFIX = "tiny-"
@@ -29,7 +28,7 @@ TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 class EngineSlot:
     engine: CacheBlendEngine
     lock: threading.RLock = field(default_factory=threading.RLock)
-    chunk_caches: dict[str | None, ChunkCache] = field(default_factory=dict)
+    chunk_caches: dict[str | KVStore | None, ChunkCache] = field(default_factory=dict)
 
 
 _registry_lock = threading.Lock()
@@ -80,25 +79,11 @@ def slot_for(engine: CacheBlendEngine) -> EngineSlot:
         return slot
 
 
-def _open_store(path: str) -> Any:
-    try:
-        from cacheblend_rag.store import DiskKVStore  # type: ignore[attr-defined]
-    except ImportError:
-        raise ConfigError(
-            f"store_path={path!r} needs the persistent chunk store (cacheblend_rag.store.DiskKVStore), "
-            "which this installation lacks; leave store_path unset to keep chunk KV in memory"
-        ) from None
-    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
-    return DiskKVStore(str(Path(path).expanduser()))
-
-
-def chunk_cache_for(engine: CacheBlendEngine, store_path: str | None) -> ChunkCache:
-    """The chunk cache of ``engine`` backed by ``store_path`` (``None``: memory only)."""
+def chunk_cache_for(engine: CacheBlendEngine, store: str | KVStore | None) -> ChunkCache:
+    """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``: memory)."""
     slot = slot_for(engine)
-    key = None if store_path is None else str(Path(store_path).expanduser().resolve())
     with slot.lock:
-        cache = slot.chunk_caches.get(key)
+        cache = slot.chunk_caches.get(store)
         if cache is None:
-            store = None if key is None else _open_store(key)
-            cache = slot.chunk_caches[key] = ChunkCache(engine, store)
+            cache = slot.chunk_caches[store] = ChunkCache(engine, store)
         return cache

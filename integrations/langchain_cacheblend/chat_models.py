@@ -19,10 +19,12 @@ import asyncio
 import contextvars
 import difflib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -32,7 +34,7 @@ from langchain_core.language_models.chat_models import agenerate_from_stream, ge
 from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
@@ -98,7 +100,9 @@ class ChatCacheBlend(BaseChatModel):
             ``"tiny-qwen2"`` and ``"tiny-qwen3"`` name the tiny random models of
             ``cacheblend_rag.testing`` (fast tests; their answers are gibberish).
         engine: an already built ``CacheBlendEngine`` to use instead of loading ``model``.
-        store_path: folder of a persistent chunk KV store; unset keeps chunk KV in memory.
+        store_path: folder of a persistent chunk KV store (any ``cacheblend_rag.store.open_store``
+            spec also works, e.g. ``"tiered:PATH"`` or ``"redis://..."``); unset keeps chunk KV
+            in memory. Chat models on the same engine and store share one chunk cache.
         device, dtype: where and in what precision to load the model.
 
     Key init args (blending):
@@ -138,7 +142,7 @@ class ChatCacheBlend(BaseChatModel):
     engine: CacheBlendEngine | None = Field(default=None, exclude=True, repr=False)
     """An engine built by the caller; ``model`` then defaults to its name."""
     store_path: str | None = None
-    """Folder of a persistent chunk KV store; ``None`` keeps chunk KV in memory."""
+    """Folder of a persistent chunk KV store (or an ``open_store`` spec); ``None`` keeps chunk KV in memory."""
     device: str | None = None
     dtype: str | None = None
 
@@ -185,6 +189,21 @@ class ChatCacheBlend(BaseChatModel):
         if engine is not None and "model" not in values:
             values["model"] = engine.model_name
         return values
+
+    @field_validator("store_path")
+    @classmethod
+    def _check_store_path(cls, value: str | None) -> str | None:
+        if value is None or "://" in value or value.split(":", 1)[0] in ("memory", "tiered", "disk"):
+            return value
+        folder = Path(value).expanduser()
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            what = "is not a folder" if not existing.is_dir() else "is not writable"
+            raise ValueError(
+                f"store_path={value!r} cannot hold a chunk KV store: {existing} {what}; pass a folder this "
+                "process can create and write, or store_path=None to keep chunk KV in memory"
+            )
+        return str(folder)
 
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatCacheBlend":

@@ -194,3 +194,20 @@ def test_bad_arguments_say_what_to_fix(engine) -> None:
         ChatCacheBlend(engine=engine, max_tokens=500, timeout=1e-6).invoke("Hello")
     # Standard LangChain parameters of hosted models are accepted and have no effect.
     ChatCacheBlend(engine=engine, api_key="unused", max_retries=2)
+
+
+def test_store_path_keeps_chunk_kv_on_disk(tmp_path) -> None:
+    first = ChatCacheBlend(engine=tiny_engine("llama"), store_path=str(tmp_path / "kv"), max_tokens=4)
+    assert first.warm(CHUNKS, show_progress=False).new == 2
+    first.chunk_cache.flush()
+    # Another engine of the same weights (as in a new process) finds the chunks on disk.
+    second = ChatCacheBlend(engine=tiny_engine("llama"), store_path=str(tmp_path / "kv"), max_tokens=4)
+    assert second.warm(CHUNKS, show_progress=False).present == 2
+    assert second.invoke(_messages()).response_metadata["cache_hits"] == 2
+
+
+def test_unusable_store_path_fails_at_construction(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValidationError, match="store_path=.*cannot hold a chunk KV store"):
+        ChatCacheBlend(model="tiny-llama", store_path=str(blocker / "kv"))
