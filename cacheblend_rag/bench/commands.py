@@ -1,0 +1,95 @@
+"""``cacheblend-rag bench``: the MuSiQue benchmark from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark TTFT, throughput and quality on MuSiQue against full prefill, prefix caching and full reuse",
+        description=__doc__ + "\n\nWrites a JSON result (docs/benchmark_schema.md), prints a markdown table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_command)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", required=True, help="MuSiQue-format JSON: a list of {question, answers, ctxs: [{title, text}]}")
+    data.add_argument("--n", type=int, default=None, help="use the first N questions (default: all)")
+    data.add_argument("--passages", type=int, default=10, help="passages per question, each one cached chunk")
+    data.add_argument("--max-passage-tokens", type=int, default=None, help="truncate each passage's text to this many tokens")
+
+    methods = parser.add_argument_group("methods")
+    methods.add_argument(
+        "--methods", default=DEFAULT_METHODS,
+        help="comma-separated: full_prefill, prefix_caching, full_reuse, cacheblend, any selection strategy "
+             "(kv_deviation, sink_aware, query_aware, gradual), or 'all'; add '+prefix' for chunks precomputed "
+             "behind the prompt text before the passages, '@RATIO' to pin one ratio",
+    )
+    methods.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios for every blend method")
+    methods.add_argument("--prefix-conditioned", choices=("off", "on", "both"), default="off",
+                         help="run chunk-reusing methods as written (off), all prefix-conditioned (on), or both ways")
+    methods.add_argument("--check-layer", type=int, default=None, help="override BlendConfig.check_layer")
+
+    model = parser.add_argument_group("model and store")
+    model.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    model.add_argument("--store", choices=("memory", "disk"), default="memory", help="where chunk KV lives")
+    model.add_argument("--store-dir", default=None, help="parent directory for --store disk (default: the temp dir)")
+
+    timing = parser.add_argument_group("measurement")
+    timing.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded per answer")
+    timing.add_argument("--teacher-tokens", type=int, default=16, help="tokens of full prefill's answer to teacher-force")
+    timing.add_argument("--repeats", type=int, default=1, help="warm TTFT runs per method and question (median taken)")
+    timing.add_argument("--cold-examples", type=int, default=1, help="questions that also get a cold pass (empty store)")
+    timing.add_argument("--throughput-requests", type=int, default=4,
+                        help="requests (one per question, the first N) timed for throughput; 0 skips it")
+    timing.add_argument("--throughput-new-tokens", type=int, default=32, help="tokens decoded per throughput request")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, help="write the JSON result here")
+    output.add_argument("--plot", default=None, help="write a PNG of TTFT speedup against KL here")
+    output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        data=args.data, n=args.n, passages=args.passages, max_passage_tokens=args.max_passage_tokens,
+        ratios=args.ratios, methods=args.methods, prefix_conditioned=args.prefix_conditioned,
+        store=args.store, store_dir=args.store_dir, max_new_tokens=args.max_new_tokens,
+        teacher_tokens=args.teacher_tokens, repeats=args.repeats, cold_examples=args.cold_examples,
+        throughput_requests=args.throughput_requests, throughput_new_tokens=args.throughput_new_tokens,
+        check_layer=args.check_layer, model=args.model, device=args.device, show_progress=not args.no_progress,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from cacheblend_rag.bench.harness import run_benchmark
+    from cacheblend_rag.bench.plot import plot_speedup_vs_kl
+    from cacheblend_rag.bench.report import describe_run, markdown_table, write_json
+
+    config = config_from_args(args)
+    document = run_benchmark(config)
+    print(describe_run(document))
+    print()
+    print(markdown_table(document))
+    if args.out:
+        print(f"\nJSON written to {write_json(document, args.out)}", file=sys.stderr)
+    if args.plot:
+        print(f"plot written to {plot_speedup_vs_kl(document, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``cacheblend-rag bench`` with ``argv`` (for scripts under benchmarks/)."""
+    from cacheblend_rag.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,52 @@
+"""The speed/quality picture: TTFT speedup over full prefill against mean teacher-forced KL."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def plot_speedup_vs_kl(document: dict[str, Any], path: str | Path) -> Path:
+    """Write a PNG with one labelled point per method (and ratio); a family's ratios are joined by a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    points = [m for m in document["methods"] if m["ttft_speedup"] is not None and m["quality"]["kl"] is not None]
+    families: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for m in points:
+        families[m["family"]].append(m)
+
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    colors = plt.get_cmap("tab10")
+    for i, (family, members) in enumerate(families.items()):
+        members.sort(key=lambda m: m["ratio"] or 0.0)
+        xs = [m["ttft_speedup"] for m in members]
+        ys = [m["quality"]["kl"] for m in members]
+        marker = "^" if members[0]["prefix_conditioned"] else "o"
+        ax.plot(xs, ys, marker=marker, linestyle="-" if len(members) > 1 else "none",
+                color=colors(i % 10), label=family, markersize=7)
+        for m, x, y in zip(members, xs, ys):
+            ax.annotate(m["name"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=7)
+    ax.set_xlabel("TTFT speedup over full prefill (warm store, median)")
+    ax.set_ylabel("mean teacher-forced KL(full prefill || method), nats")
+    ax.set_title(_title(document), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _title(document: dict[str, Any]) -> str:
+    d = document["data"]
+    return (
+        f"{document['model']['name']} on {d['examples']} MuSiQue questions, {d['passages']} passages"
+        + (f" (<= {d['max_passage_tokens']} tokens each)" if d["max_passage_tokens"] else "")
+        + f"; store: {document['store']['kind']}"
+    )

@@ -1,0 +1,178 @@
+"""The result document (JSON, schema in docs/benchmark_schema.md) and its markdown table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from cacheblend_rag.bench.methods import MethodSpec
+
+SCHEMA_VERSION = 1
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_info(root: Path = _REPO_ROOT) -> dict[str, Any]:
+    """Commit and whether the working tree had changes; ``None`` values outside a git checkout."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    import cacheblend_rag
+
+    try:
+        usable_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable_cores = os.cpu_count()
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cacheblend_rag": cacheblend_rag.__version__,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def build_document(
+    *,
+    config: Any,
+    engine: Any,
+    specs: Sequence[MethodSpec],
+    added: Sequence[MethodSpec],
+    blend_config: Any,
+    store_backend: str,
+    outcomes: Sequence[Any],
+    summaries: list[dict[str, Any]],
+    elapsed_s: float,
+) -> dict[str, Any]:
+    prompt_tokens = [o.prompt_tokens for o in outcomes]
+    chunk_tokens = [t for o in outcomes for t in o.chunk_tokens]
+    added_names = {s.name for s in added}
+    for summary in summaries:
+        summary["added_as_reference"] = summary["name"] in added_names
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv) if sys.argv else None,
+        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
+        "git": git_info(),
+        "machine": machine_info(engine.device),
+        "model": {
+            "name": engine.model_name,
+            "fingerprint": engine.fingerprint,
+            "num_layers": engine.num_layers,
+            "dtype": str(engine.dtype).replace("torch.", ""),
+        },
+        "blend_config": blend_config.to_dict(),
+        "store": {"kind": config.store, "backend": store_backend},
+        "data": {
+            "path": str(config.data),
+            "examples": len(outcomes),
+            "passages": config.passages,
+            "max_passage_tokens": config.max_passage_tokens,
+            "prompt_tokens": _spread(prompt_tokens),
+            "chunk_tokens": _spread(chunk_tokens),
+        },
+        "elapsed_s": elapsed_s,
+        "methods": summaries,
+        "examples": [asdict(o) for o in outcomes],
+    }
+
+
+def _spread(values: Sequence[int]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def write_json(document: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(document: dict[str, Any]) -> str:
+    """One row per method: speed (warm TTFT, speedup, cold TTFT, decode, throughput), then quality."""
+    columns = [
+        "method", "TTFT median (s)", "TTFT p90 (s)", "speedup", "cold TTFT (s)", "decode tok/s", "req/s",
+        "F1", "KL", "top-1", "recovery", "EM vs full", "worse than full reuse",
+    ]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
+    n = document["data"]["examples"]
+    for m in document["methods"]:
+        q = m["quality"]
+        speedup, rec, worse = m["ttft_speedup"], q["recovery"], q["worse_than_full_reuse"]
+        cells = [
+            m["name"],
+            _fmt(m["ttft_s"]["median"], ".3f"),
+            _fmt(m["ttft_s"]["p90"], ".3f"),
+            "–" if speedup is None else f"{speedup:.2f}x",
+            _fmt(m["cold_ttft_s"], ".3f"),
+            _fmt(m["decode_tokens_per_s"], ".1f"),
+            _fmt(m["throughput_rps"], ".3f"),
+            _fmt(q["f1"], ".3f"),
+            _fmt(q["kl"], ".4f"),
+            _fmt(q["top1"], ".3f"),
+            "–" if rec is None else f"{100 * rec:.0f}%",
+            _fmt(q["exact_match"], ".2f"),
+            "–" if worse is None else f"{worse}/{n}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe_run(document: dict[str, Any]) -> str:
+    """A one-paragraph caption: data, model, machine."""
+    d, mach, model = document["data"], document["machine"], document["model"]
+    tokens = d["prompt_tokens"]["mean"]
+    return (
+        f"{d['examples']} MuSiQue questions, {d['passages']} passages each"
+        + (f" (truncated to {d['max_passage_tokens']} tokens)" if d["max_passage_tokens"] else "")
+        + (f", {tokens:.0f} prompt tokens on average" if tokens else "")
+        + f"; {model['name']} ({model['dtype']}), store {document['store']['kind']}"
+        + f"; {mach['cpu']}, {mach['usable_cores']} cores, torch {mach['torch']}, transformers {mach['transformers']}"
+        + (f"; commit {document['git']['commit'][:10]}" if document["git"]["commit"] else "")
+    )

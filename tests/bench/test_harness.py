@@ -1,0 +1,147 @@
+"""The harness end to end on two tiny questions with a tiny model: the JSON's shape and the reference identities."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cacheblend_rag.bench import BenchConfig, run_benchmark
+from cacheblend_rag.bench.plot import plot_speedup_vs_kl
+from cacheblend_rag.bench.report import markdown_table, write_json
+from cacheblend_rag.errors import ConfigError
+
+FAST = dict(max_new_tokens=4, teacher_tokens=4, throughput_new_tokens=4, throughput_requests=1, show_progress=False)
+
+METHOD_KEYS = {
+    "name", "family", "kind", "selection", "ratio", "prefix_conditioned", "examples", "ttft_s", "ttft_speedup",
+    "cold_ttft_s", "decode_tokens_per_s", "throughput_rps", "throughput_requests", "precompute",
+    "recompute_fraction", "quality", "added_as_reference",
+}
+QUALITY_KEYS = {"f1", "kl", "kl_median", "top1", "recovery", "exact_match", "worse_than_full_reuse"}
+EXAMPLE_METHOD_KEYS = {"answer", "f1", "exact_match", "kl", "top1", "ttft_s", "decode_tokens_per_s", "cold_ttft_s",
+                       "throughput_request_s", "stats"}
+
+
+@pytest.fixture(scope="module")
+def document(engine, musique_file):
+    config = BenchConfig(
+        data=str(musique_file), passages=3, ratios="0.5,1.0", repeats=2,
+        methods="prefix_caching,cacheblend,sink_aware+prefix", **FAST,
+    )
+    return run_benchmark(config, engine=engine)
+
+
+def by_name(document):
+    return {m["name"]: m for m in document["methods"]}
+
+
+def test_document_shape(document):
+    assert document["schema_version"] == 1
+    for key in ("created_utc", "command", "args", "git", "machine", "model", "blend_config", "store", "data",
+                "elapsed_s", "methods", "examples"):
+        assert key in document, key
+    for key in ("cpu", "cpu_count", "usable_cores", "torch_threads", "torch", "transformers", "python"):
+        assert key in document["machine"], key
+    assert set(document["git"]) == {"commit", "dirty"}
+    assert document["args"]["passages"] == 3 and document["args"]["ratios"] == [0.5, 1.0]
+    assert document["data"]["examples"] == 2
+    json.dumps(document)  # serialisable as is
+
+    methods = by_name(document)
+    assert list(methods) == [
+        "full_prefill", "full_reuse", "prefix_caching", "cacheblend@0.5", "cacheblend@1",
+        "sink_aware+prefix@0.5", "sink_aware+prefix@1",
+    ]
+    assert methods["full_reuse"]["added_as_reference"] and not methods["cacheblend@0.5"]["added_as_reference"]
+    for summary in methods.values():
+        assert set(summary) == METHOD_KEYS
+        assert set(summary["quality"]) == QUALITY_KEYS
+        assert set(summary["ttft_s"]) == {"median", "p90", "mean"}
+        assert summary["ttft_s"]["median"] > 0
+        assert summary["throughput_rps"] > 0 and summary["throughput_requests"] == 1
+        assert summary["cold_ttft_s"] > 0
+        assert (summary["precompute"] is not None) == (summary["kind"] in ("full_reuse", "blend"))
+
+    assert len(document["examples"]) == 2
+    for example in document["examples"]:
+        assert set(example["methods"]) == set(methods)
+        assert example["prompt_tokens"] > sum(example["chunk_tokens"]) > 0
+        assert set(example["precompute_s"]) == {"plain", "prefix"}
+        for name, outcome in example["methods"].items():
+            assert set(outcome) == EXAMPLE_METHOD_KEYS
+            assert len(outcome["ttft_s"]) == 2
+            assert (outcome["cold_ttft_s"] is not None) == (example["index"] == 0)
+
+
+def test_reference_identities(document):
+    methods = by_name(document)
+    full = methods["full_prefill"]["quality"]
+    assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["exact_match"] == 1.0
+    assert methods["full_prefill"]["ttft_speedup"] == pytest.approx(1.0)
+    reuse = methods["full_reuse"]["quality"]
+    assert reuse["recovery"] == 0.0 and reuse["worse_than_full_reuse"] == 0
+    assert reuse["kl"] > 0  # the tiny random model does notice the missing cross-attention
+    # Exact methods: prefix caching, and blending at ratio 1.
+    for name in ("prefix_caching", "cacheblend@1", "sink_aware+prefix@1"):
+        quality = methods[name]["quality"]
+        assert quality["kl"] < 1e-6 and quality["top1"] == 1.0, name
+        assert quality["recovery"] == pytest.approx(1.0, abs=1e-4), name
+    assert methods["cacheblend@0.5"]["recompute_fraction"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_table_and_plot(document, tmp_path):
+    table = markdown_table(document)
+    rows = table.splitlines()
+    assert rows[0].startswith("| method | TTFT median (s)")
+    assert len(rows) == 2 + len(document["methods"])
+    assert any(r.startswith("| cacheblend@0.5 |") for r in rows)
+    png = plot_speedup_vs_kl(document, tmp_path / "plot.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = write_json(document, tmp_path / "sub" / "r.json")
+    assert json.loads(out.read_text())["methods"] == document["methods"]
+
+
+def test_disk_store(engine, musique_file, tmp_path):
+    config = BenchConfig(data=str(musique_file), n=1, passages=2, ratios="0.5", methods="cacheblend",
+                         store="disk", store_dir=str(tmp_path), cold_examples=0, **FAST)
+    document = run_benchmark(config, engine=engine)
+    assert document["store"]["kind"] == "disk"
+    assert [m["name"] for m in document["methods"]] == ["full_prefill", "full_reuse", "cacheblend@0.5"]
+    assert document["methods"][2]["cold_ttft_s"] is None
+    assert list(tmp_path.iterdir()) == []  # every store the run opened is gone
+
+
+def test_cli_end_to_end(engine, musique_file, tmp_path, capsys):
+    from cacheblend_rag.cli import main
+
+    model_dir = tmp_path / "tiny-model"
+    engine.model.save_pretrained(model_dir)
+    engine.tokenizer.save_pretrained(model_dir)
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    code = main([
+        "bench", "--data", str(musique_file), "--model", str(model_dir), "--device", "cpu", "--n", "1",
+        "--passages", "2", "--methods", "full_prefill,full_reuse,cacheblend", "--ratios", "0.3",
+        "--max-new-tokens", "4", "--teacher-tokens", "4", "--throughput-new-tokens", "4",
+        "--throughput-requests", "1", "--no-progress", "--out", str(out), "--plot", str(plot),
+    ])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "| method | TTFT median (s)" in stdout and "| cacheblend@0.3 |" in stdout
+    assert json.loads(out.read_text())["data"]["examples"] == 1
+    assert plot.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_new_tokens=8, teacher_tokens=16), "max_new_tokens=8 is below teacher_tokens=16"),
+        (dict(repeats=0), "repeats=0"),
+        (dict(store="redis"), "store='redis'"),
+        (dict(prefix_conditioned="yes"), "prefix_conditioned='yes'"),
+        (dict(throughput_requests=-1), "throughput_requests=-1"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, message, musique_file):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        BenchConfig(data=str(musique_file), **overrides)
