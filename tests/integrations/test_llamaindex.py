@@ -393,6 +393,21 @@ def test_announced_chunks_are_bounded(engine):
     assert llm._announced.known() == ["chunk number 7", "chunk number 8", "chunk number 9"]
 
 
+def test_disk_store_persists_chunk_kv_across_llms(engine, embed_model, tmp_path):
+    store = tmp_path / "kv"
+    writer = CacheBlendLLM.from_engine(engine, store_path=str(store), max_new_tokens=6)
+    index = build_index(writer, embed_model)
+    writer.chunk_cache.close()  # finish background writes
+
+    reader = CacheBlendLLM.from_engine(engine, store_path=str(store), max_new_tokens=6)
+    for node in index.docstore.docs.values():
+        text = node.get_content(metadata_mode=MetadataMode.LLM).strip()
+        assert reader.chunk_cache.contains(engine.tokenize(text))
+    query_engine(index, reader).query(QUESTION)
+    assert reader.last_stats["cache_hits"] == 2 and reader.last_stats["cache_misses"] == 0
+    assert reader.last_stats["mode"] == "blend"
+
+
 # ---------------------------------------------------------- configuration
 def test_metadata(llm, engine):
     meta = llm.metadata
@@ -417,6 +432,7 @@ def test_bad_store_path_fails_at_construction(engine, tmp_path):
         ("selection", "nope", r"selection='nope' is not supported"),
         ("temperature", -1.0, r"temperature=-1.0 is out of range"),
         ("max_announced_chunks", 0, r"max_announced_chunks"),
+        ("store_size_limit", "lots", r"size 'lots' is not understood"),
     ],
 )
 def test_bad_values_fail_at_construction(engine, field, value, message):

@@ -24,7 +24,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -45,7 +45,7 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment
 from cacheblend_rag.engine.generate import GenerationResult
 from cacheblend_rag.prompting import split_prompt, to_segments
-from cacheblend_rag.store import ChunkCache
+from cacheblend_rag.store import ChunkCache, parse_size
 
 from llama_index.llms.cacheblend.runtime import (
     AnnouncedChunks,
@@ -77,6 +77,9 @@ class CacheBlendLLM(CustomLLM):
     )
     store_path: Optional[str] = Field(
         default=None, description="Folder of the persistent chunk KV store; None keeps chunk KV in memory."
+    )
+    store_size_limit: Optional[Union[int, str]] = Field(
+        default=None, description="Bound on the store's size in bytes or with a unit ('2GB'); None: unbounded."
     )
     device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
@@ -154,7 +157,9 @@ class CacheBlendLLM(CustomLLM):
         self._engine = engine
         if chunk_cache is not None and chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
-        self._chunk_cache = chunk_cache if chunk_cache is not None else open_chunk_cache(engine, self.store_path)
+        self._chunk_cache = chunk_cache if chunk_cache is not None else open_chunk_cache(
+            engine, self.store_path, self.store_size_limit
+        )
         self._announced = AnnouncedChunks(self.max_announced_chunks)
 
     @classmethod
@@ -186,6 +191,13 @@ class CacheBlendLLM(CustomLLM):
                 "this process can create and write, or store_path=None to keep chunk KV in memory"
             ) from None
         return str(path)
+
+    @field_validator("store_size_limit")
+    @classmethod
+    def _size_limit_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
+        if value is not None and parse_size(value) < 1:
+            raise ValueError(f"store_size_limit={value!r} must be a positive size, e.g. 2GB, or None for no bound")
+        return value
 
     @model_validator(mode="after")
     def _configs_are_valid(self) -> "CacheBlendLLM":

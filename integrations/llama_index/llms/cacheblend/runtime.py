@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, TypeVar
 
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from cacheblend_rag.store import ChunkCache
+from cacheblend_rag.store import ChunkCache, DiskKVStore, open_store, parse_size
 
 T = TypeVar("T")
 
@@ -88,13 +88,11 @@ def engine_lock(engine: Any) -> threading.RLock:
         return lock
 
 
-def open_chunk_cache(engine: Any, store_path: str | None) -> ChunkCache:
-    """Chunk KV kept in memory (``store_path=None``) or persisted in a disk store at ``store_path``."""
+def open_chunk_cache(engine: Any, store_path: str | None, size_limit: int | str | None = None) -> ChunkCache:
+    """Chunk KV kept in memory (``store_path=None``) or in a persistent disk store at ``store_path``."""
     if store_path is None:
-        return ChunkCache(engine)
-    from cacheblend_rag.store import DiskKVStore
-
-    return ChunkCache(engine, DiskKVStore(store_path))
+        return ChunkCache(engine, open_store(None, size_limit=size_limit))
+    return ChunkCache(engine, DiskKVStore(store_path, size_limit=None if size_limit is None else parse_size(size_limit)))
 
 
 _ITEM, _ERROR, _DONE = "item", "error", "done"
