@@ -6,12 +6,7 @@ import pytest
 
 from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
 
-TEXTS = [
-    "Paris is the capital of France. The quick brown fox jumps over the lazy dog. " * 2,
-    "Marie Curie was a physicist and chemist who won two Nobel prizes in Warsaw and Paris. " * 2,
-    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean. " * 2,
-]
-QUESTION = "Question: What is the capital of France? Answer:"
+from kvstore_samples import QUESTION, TEXTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

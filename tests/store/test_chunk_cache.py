@@ -1,0 +1,348 @@
+"""Blending from a store: exact answers, write-back of misses, and recovery from every kind of damage or failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore, TieredKVStore
+from cacheblend_rag.store.format import decode_manifest, encode_layer, encode_manifest
+from cacheblend_rag.store.loader import PipelinedKVSource
+
+from kvstore_samples import TEXTS
+
+EXACT = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def disk_cache(engine, tmp_path):
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32")
+    yield cache
+    cache.close()
+
+
+def _reference(engine, in_memory, config=None):
+    return engine.blend(in_memory, config=config).logits
+
+
+# ------------------------------------------------------------ correctness
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_blend_from_disk_equals_blend_from_in_memory_chunks(engine, tmp_path, stored_prompt, prefetch):
+    stored, in_memory = stored_prompt
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", prefetch=prefetch)
+    summary = cache.warm(TEXTS)
+    assert (summary.new, summary.present) == (3, 0) and summary.bytes_written > 0
+    result = engine.blend(stored, store=cache)
+    assert (result.stats.cache_hits, result.stats.cache_misses) == (3, 0)
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert "load_wait" in result.stats.timings
+    cache.close()
+
+
+def test_ratio_one_from_the_store_equals_full_prefill(engine, disk_cache, stored_prompt):
+    stored, _ = stored_prompt
+    disk_cache.warm(TEXTS)
+    full = engine.full_prefill([t for s in stored for t in s.token_ids]).logits
+    blended = engine.blend(stored, store=disk_cache, config=BlendConfig(recompute_ratio=1.0)).logits
+    torch.testing.assert_close(blended, full, atol=1e-4, rtol=1e-4)
+
+
+def test_full_reuse_reads_every_layer(engine, disk_cache, stored_prompt):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    config = BlendConfig(recompute_ratio=0.0)
+    torch.testing.assert_close(engine.blend(stored, store=disk_cache, config=config).logits,
+                               _reference(engine, in_memory, config), **EXACT)
+
+
+def test_sixteen_bit_storage_is_close_and_half_the_bytes(engine, tmp_path, stored_prompt):
+    stored, in_memory = stored_prompt
+    c32 = ChunkCache(engine, MemoryKVStore(), storage_dtype="float32")
+    c16 = ChunkCache(engine, MemoryKVStore())
+    b32, b16 = c32.warm(TEXTS).bytes_written, c16.warm(TEXTS).bytes_written
+    assert b16 < 0.55 * b32
+    torch.testing.assert_close(engine.blend(stored, store=c16).logits, _reference(engine, in_memory),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_auto_storage_dtype_falls_back_to_bfloat16_beyond_float16_range(engine):
+    cache = ChunkCache(engine)
+    small, huge = torch.ones(2, 3, 4), torch.full((2, 3, 4), 1e6)
+    assert cache._storage_dtype(small, small) == torch.float16
+    assert cache._storage_dtype(small, huge) == torch.bfloat16
+    assert cache._storage_dtype(small.bfloat16(), small.bfloat16()) == torch.bfloat16
+    with pytest.raises(ConfigError, match="storage_dtype"):
+        ChunkCache(engine, storage_dtype="int8")
+
+
+def test_misses_are_computed_used_and_written_back(engine, disk_cache, stored_prompt, chunk_ids):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS[:1])
+    result = engine.blend(stored, store=disk_cache)
+    assert (result.stats.cache_hits, result.stats.cache_misses) == (1, 2)
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    disk_cache.flush()
+    assert all(disk_cache.contains(ids) for ids in chunk_ids)
+    again = engine.blend(stored, store=disk_cache)
+    assert (again.stats.cache_hits, again.stats.cache_misses) == (3, 0)
+    stats = disk_cache.stats()
+    assert (stats.entries, stats.hits, stats.misses) == (3, 4, 2)
+
+
+def test_write_back_can_be_turned_off(engine, tmp_path, stored_prompt, chunk_ids):
+    cache = ChunkCache(engine, MemoryKVStore(), write_back=False)
+    engine.blend(stored_prompt[0], store=cache)
+    cache.flush()
+    assert not any(cache.contains(ids) for ids in chunk_ids)
+
+
+def test_warm_counts_new_present_and_duplicates(engine, disk_cache, chunk_ids):
+    assert disk_cache.warm([TEXTS[0]]).new == 1
+    summary = disk_cache.warm([*TEXTS, chunk_ids[1], ""], show_progress=True)
+    assert (summary.new, summary.present, summary.failed) == (2, 2, 0)
+    loaded = disk_cache.load(chunk_ids[2])
+    fresh = engine.prefill_chunk(chunk_ids[2])
+    assert loaded is not None and loaded.model_fingerprint == engine.fingerprint
+    for a, b in zip(loaded.keys + loaded.values, fresh.keys + fresh.values):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_prefix_conditioned_chunks_are_kept_apart(engine, tmp_path, chunk_ids, question_ids):
+    prefix = engine.tokenize("Context information is below.\n")
+    cache = ChunkCache(engine, MemoryKVStore(), prefix_ids=prefix, storage_dtype="float32")
+    cache.warm(TEXTS)
+    assert cache.contains(chunk_ids[0]) and not cache.contains(chunk_ids[0], prefix_ids=())
+    segments = [FreshSegment(prefix), *(StoredSegment(ids, prefix) for ids in chunk_ids), FreshSegment(question_ids)]
+    result = engine.blend(segments, store=cache)
+    assert result.stats.cache_misses == 0
+    reference = engine.blend([FreshSegment(prefix), *engine.prefill_chunks(chunk_ids, prefix_ids=prefix),
+                              FreshSegment(question_ids)]).logits
+    torch.testing.assert_close(result.logits, reference, **EXACT)
+
+
+def test_tiered_store_serves_a_blend_and_promotes(engine, tmp_path, stored_prompt):
+    stored, in_memory = stored_prompt
+    ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32").warm(TEXTS)
+    memory = MemoryKVStore()
+    cache = ChunkCache(engine, TieredKVStore(memory, DiskKVStore(tmp_path / "kv")))
+    result = engine.blend(stored, store=cache)
+    assert result.stats.cache_hits == 3
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert memory.stats().entries == 3 and memory.stats().bytes > 0
+
+
+def test_loader_reads_the_next_layer_ahead(engine, disk_cache, chunk_ids):
+    disk_cache.warm(TEXTS)
+    fetched: list[int] = []
+    store = disk_cache.store
+    original = store.get_layers
+
+    def recording(requests):
+        fetched.append(requests[0][2])
+        return original(requests)
+
+    store.get_layers = recording
+    _, hits, _ = disk_cache.open_source(engine, [StoredSegment(ids) for ids in chunk_ids])
+    source = PipelinedKVSource(store, engine, disk_cache.open_source(engine, [StoredSegment(chunk_ids[0])])[0].chunks,
+                               first_layer=1)
+    k, v = source.layer(1)
+    source._futures[2].result()
+    assert fetched[-2:] == [1, 2] and k.shape == v.shape and k.dtype == engine.dtype
+    with pytest.raises(IndexError):
+        source.layer(engine.num_layers)
+    source.close()
+
+
+# ---------------------------------------------------------------- damage
+def _damage(cache, key, kind, engine):
+    store: DiskKVStore = cache.store
+    manifest = decode_manifest(store.get_manifest(key))
+    layer = engine.num_layers - 1  # a late layer, so that the damage is found in the middle of the blend
+    blob = store.get_layer(key, manifest.write_id, layer)
+    if kind == "wrong-checksum":
+        store.put_layer(key, manifest.write_id, layer, blob[:-1] + bytes([blob[-1] ^ 1]))
+    elif kind == "payload-bit-flip":
+        store.put_layer(key, manifest.write_id, layer, blob[:50] + bytes([blob[50] ^ 4]) + blob[51:])
+    elif kind == "truncated":
+        store.put_layer(key, manifest.write_id, layer, blob[: len(blob) // 2])
+    elif kind == "garbage":
+        store.put_layer(key, manifest.write_id, layer, os.urandom(len(blob)))
+    elif kind == "missing-layer":
+        store._cache.delete(f"l:{key}:{manifest.write_id}:{layer}")
+    elif kind == "wrong-shape":
+        h, n, d = manifest.layer_shape
+        bad = encode_layer(torch.zeros(h, n + 1, d), torch.zeros(h, n + 1, d))
+        store.put_layer(key, manifest.write_id, layer, bad)
+        digests = list(manifest.layer_digests)
+        digests[layer] = bad[-16:].hex()
+        store._cache.delete(f"m:{key}")
+        store.add_manifest(key, encode_manifest(type(manifest)(**{**manifest.__dict__, "layer_digests": tuple(digests)})))
+    elif kind == "garbage-manifest":
+        store._cache.set(f"m:{key}", os.urandom(200))
+    elif kind == "manifest-of-another-shape":
+        store._cache.delete(f"m:{key}")
+        store.add_manifest(key, encode_manifest(type(manifest)(**{**manifest.__dict__, "num_tokens": 3})))
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["wrong-checksum", "payload-bit-flip", "truncated", "garbage", "missing-layer",
+                                  "wrong-shape", "garbage-manifest", "manifest-of-another-shape"])
+def test_corrupt_entry_is_detected_counted_deleted_and_recomputed(engine, disk_cache, stored_prompt, chunk_ids,
+                                                                  kind, caplog):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    key = disk_cache.key_for(chunk_ids[1])
+    _damage(disk_cache, key, kind, engine)
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(stored, store=disk_cache)
+        disk_cache.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert any("corrupt" in r.message for r in caplog.records)
+    assert disk_cache.stats().corrupt == 1
+    # the entry was rewritten whole: the next blend reads it without complaint
+    caplog.clear()
+    assert disk_cache.load(chunk_ids[1]) is not None
+    again = engine.blend(stored, store=disk_cache)
+    assert again.stats.cache_hits == 3 and disk_cache.stats().corrupt == 1
+    torch.testing.assert_close(again.logits, result.logits, **EXACT)
+
+
+# --------------------------------------------------------------- failure
+def _layer_names(store: DiskKVStore) -> list[str]:
+    return [n for n in store._cache.iterkeys() if n.startswith("l:")]
+
+
+def test_disk_full_on_put_answers_fresh_with_a_warning_and_writes_nothing(engine, disk_cache, stored_prompt,
+                                                                         monkeypatch, caplog):
+    stored, in_memory = stored_prompt
+    store: DiskKVStore = disk_cache.store
+    real_set, calls = store._cache.set, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(28, "No space left on device")
+        return real_set(*args, **kwargs)
+
+    monkeypatch.setattr(store._cache, "set", full_disk)
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(stored, store=disk_cache)
+        disk_cache.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert any("No space left" in r.message for r in caplog.records)
+    assert list(store.keys()) == [] and _layer_names(store) == []  # nothing half-written
+    assert disk_cache.warm(TEXTS).failed == 3
+
+
+def test_read_only_store_answers_from_what_it_has(engine, disk_cache, stored_prompt, monkeypatch, caplog):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS[:2])
+    store: DiskKVStore = disk_cache.store
+
+    def readonly(*args, **kwargs):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    for name in ("set", "add", "incr", "delete", "evict"):
+        monkeypatch.setattr(store._cache, name, readonly)
+    monkeypatch.setattr(store._counter_cache, "incr", readonly)
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(stored, store=disk_cache)
+        disk_cache.flush()
+    assert (result.stats.cache_hits, result.stats.cache_misses) == (2, 1)
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert any("readonly" in r.message for r in caplog.records)
+
+
+def test_unreachable_store_answers_fresh(engine, disk_cache, stored_prompt, monkeypatch, caplog):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    store: DiskKVStore = disk_cache.store
+
+    def gone(*args, **kwargs):
+        raise sqlite3.OperationalError("unable to open database file")
+
+    for name in ("get", "set", "add", "incr", "delete", "evict", "__contains__"):
+        monkeypatch.setattr(store._cache, name, gone)
+    monkeypatch.setattr(store._counter_cache, "incr", gone)
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(stored, store=disk_cache)
+        disk_cache.flush()
+    assert result.stats.cache_misses == 3
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert sum("failed to read" in r.message for r in caplog.records) == 1
+
+
+def test_store_failing_in_the_middle_of_a_blend_is_survived(engine, disk_cache, stored_prompt, monkeypatch):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    store: DiskKVStore = disk_cache.store
+    real_get = store._cache.get
+
+    def flaky(name, *args, **kwargs):
+        if name.startswith("l:") and name.endswith(f":{engine.num_layers - 1}"):
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_get(name, *args, **kwargs)
+
+    monkeypatch.setattr(store._cache, "get", flaky)
+    result = engine.blend(stored, store=disk_cache)
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    disk_cache.flush()
+    assert disk_cache.stats().corrupt == 0  # a failing store is not a damaged entry
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
+def test_real_read_only_directory(engine, tmp_path, stored_prompt, caplog):
+    stored, in_memory = stored_prompt
+    path = tmp_path / "kv"
+    ChunkCache(engine, DiskKVStore(path), storage_dtype="float32").warm(TEXTS[:1])
+    os.chmod(path, 0o555)
+    try:
+        try:
+            cache = ChunkCache(engine, DiskKVStore(path))
+        except Exception as exc:  # opening may already fail; that is a clear error, not a crash mid-request
+            assert "cannot open" in str(exc)
+            return
+        with caplog.at_level(logging.WARNING):
+            result = engine.blend(stored, store=cache)
+            cache.flush()
+        torch.testing.assert_close(result.logits, _reference(engine, in_memory), atol=2e-2, rtol=2e-2)
+    finally:
+        os.chmod(path, 0o755)
+
+
+# ----------------------------------------------------- eviction, mismatch
+def test_evicted_chunks_are_recomputed_transparently(engine, tmp_path, stored_prompt):
+    stored, in_memory = stored_prompt
+    probe_store = DiskKVStore(tmp_path / "probe")
+    per_chunk = ChunkCache(engine, probe_store, storage_dtype="float32").warm(TEXTS[:2]).bytes_written // 2
+    limit = probe_store.volume() + per_chunk // 2  # room for two chunks, not three
+    store = DiskKVStore(tmp_path / "kv", size_limit=limit)
+    cache = ChunkCache(engine, store, storage_dtype="float32")
+    cache.warm(TEXTS)
+    assert store.volume() <= limit and store.stats().evictions >= 1
+    result = engine.blend(stored, store=cache)
+    assert result.stats.cache_misses >= 1
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    cache.flush()
+    assert store.volume() <= limit
+
+
+def test_entry_of_another_model_is_never_returned(engine, tmp_path, stored_prompt, chunk_ids):
+    from cacheblend_rag.testing import tiny_engine
+
+    ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32").warm(TEXTS)
+    other = tiny_engine(seed=1, config=engine.config)
+    cache = ChunkCache(other, DiskKVStore(tmp_path / "kv"), storage_dtype="float32")
+    assert not any(cache.contains(ids) for ids in chunk_ids)
+    stored, _ = stored_prompt
+    result = other.blend(stored, store=cache)
+    assert (result.stats.cache_hits, result.stats.cache_misses) == (0, 3)
+    reference = other.blend([stored[0], *other.prefill_chunks(chunk_ids), stored[-1]]).logits
+    torch.testing.assert_close(result.logits, reference, **EXACT)
