@@ -122,14 +122,13 @@ class _InterleavedSource(CachedKVSource):
     def wait_seconds(self) -> float:  # type: ignore[override]
         return sum(p.wait_seconds for p, _ in self.parts)
 
+    def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        split = [source.layer_parts(index, part_lengths) for source, part_lengths in self.parts]
+        return [split[p][c] for p, c in self.order]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        split = []
-        for source, lengths in self.parts:
-            k, v = source.layer(index)
-            split.append((torch.split(k, lengths, dim=1), torch.split(v, lengths, dim=1)))
-        keys = [split[p][0][c] for p, c in self.order]
-        values = [split[p][1][c] for p, c in self.order]
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        parts = self.layer_parts(index, [])
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
 
     def close(self) -> None:
         for source, _ in self.parts:
@@ -393,15 +392,18 @@ class CacheBlendEngine:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         positions = torch.arange(n, device=dev)
         cached_mask = torch.zeros(n, dtype=torch.bool, device=dev)
-        chunk_spans: list[tuple[int, int]] = []
+        chunk_spans: list[tuple[int, int]] = []  # in cached-token index space
+        prompt_spans: list[tuple[int, int]] = []  # the same chunks in prompt positions
         offset = cached_offset = 0
         for s in segs:
             length = len(s.token_ids)
             if not isinstance(s, FreshSegment):
                 cached_mask[offset : offset + length] = True
                 chunk_spans.append((cached_offset, cached_offset + length))
+                prompt_spans.append((offset, offset + length))
                 cached_offset += length
             offset += length
+        chunk_lengths = [end - start for start, end in chunk_spans]
         cached_pos = positions[cached_mask]
         fresh_pos = positions[~cached_mask]
         n_cached = int(cached_pos.numel())
@@ -415,9 +417,16 @@ class CacheBlendEngine:
         selected: torch.Tensor | None = None  # indices into cached tokens being recomputed
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
+        plans: dict[int | None, list[tuple[slice, int, torch.Tensor | None]]] = {}
         timings = {"early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
         last_layer = a.num_layers - 1
         tick = time.perf_counter()
+
+        def restrict(new_active: torch.Tensor) -> None:
+            nonlocal q, hidden, active
+            rel = torch.searchsorted(active, new_active)
+            q, hidden, active = q[:, :, rel], hidden[:, rel], new_active
+            plans.clear()
 
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
@@ -435,19 +444,30 @@ class CacheBlendEngine:
                     layers_left=last_layer - layer,
                 )
                 if strategy.needs_query_attention:
-                    ctx.query_attention = self._query_attention_fn(a, layer, q, k, cos_all, sin_all, fresh_pos, cached_pos, segs)
+                    ctx.query_attention = self._query_attention_fn(a, layer, q, k, cos_all, sin_all, cached_pos, segs)
                 selected = strategy.select(ctx)
+                # The check layer's fresh K/V is already computed for every token: keep all of it.
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
-                keep = torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values
-                q, hidden, active = q[:, :, keep], hidden[:, keep], keep
+                restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
             elif all_active and (selected is None or selected.numel() <= budget):
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
             else:
                 phase = "late_layers" if not full_reuse else "early_layers"
-                cached_k, cached_v = source.layer(layer)
+                parts = source.layer_parts(layer, chunk_lengths)
+                key_layer = torch.empty((1, a.num_kv_heads, n, a.head_dim), dtype=k.dtype, device=dev)
+                value_layer = torch.empty_like(key_layer)
+                # Rotate each cached chunk straight into its place in the merged cache.
+                for (start, end), (chunk_k, chunk_v) in zip(prompt_spans, parts):
+                    a.apply_rope(chunk_k.unsqueeze(0).to(k.dtype), cos_all[:, start:end], sin_all[:, start:end],
+                                 out=key_layer[:, :, start:end])
+                    value_layer[0, :, start:end].copy_(chunk_v)
+                key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
+                value_layer.index_copy_(2, active, v)
                 if selected is not None and selected.numel() > budget:
+                    cached_k = torch.cat([ck for ck, _ in parts], dim=1)
+                    cached_v = torch.cat([cv for _, cv in parts], dim=1)
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
                     sel_rel = torch.searchsorted(active, cached_pos[selected])
                     ctx = SelectionContext(
@@ -458,34 +478,29 @@ class CacheBlendEngine:
                         gradual_expand=cfg.gradual_expand, layers_left=last_layer - layer,
                     )
                     narrowed = strategy.refine(ctx, selected)
-                else:
-                    narrowed = None
-                key_layer = torch.empty((1, a.num_kv_heads, n, a.head_dim), dtype=k.dtype, device=dev)
-                value_layer = torch.empty_like(key_layer)
-                key_layer[0, :, cached_pos] = a.apply_rope(
-                    cached_k.unsqueeze(0), cos_all[:, cached_pos], sin_all[:, cached_pos]
-                )[0].to(k.dtype)
-                value_layer[0, :, cached_pos] = cached_v.to(v.dtype)
-                key_layer[:, :, active] = a.apply_rope(k, cos_all[:, active], sin_all[:, active])
-                value_layer[:, :, active] = v
-                if narrowed is not None:
-                    selected = narrowed
-                    keep = torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values
-                    rel = torch.searchsorted(active, keep)
-                    q, hidden, active = q[:, :, rel], hidden[:, rel], keep
+                    if narrowed is not None:
+                        selected = narrowed
+                        restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
             keys.append(key_layer)
             values.append(value_layer)
 
             if layer == last_layer:
                 # Only the last token's output is needed from the final layer.
-                q, hidden = q[:, :, -1:], hidden[:, -1:]
-                q_positions = active[-1:]
+                restrict(active[-1:])
+            q_rot = a.apply_rope(q, cos_all[:, active], sin_all[:, active])
+            if active.numel() == n and a.sliding_window(layer) is None:
+                attn = self._attend(a, layer, q_rot, key_layer, value_layer, query_positions=None, total=n, mask="exact")
             else:
-                q_positions = active
-            q_rot = a.apply_rope(q, cos_all[:, q_positions], sin_all[:, q_positions])
-            attn = self._attend(a, layer, q_rot, key_layer, value_layer,
-                                query_positions=None if q_positions.numel() == n else q_positions,
-                                total=n, mask=cfg.mask)
+                window = a.sliding_window(layer)
+                if window not in plans:
+                    plans[window] = self._attention_plan(active, n, cfg.mask, window, q.dtype)
+                attn = torch.cat([
+                    F.scaled_dot_product_attention(
+                        q_rot[:, :, rows], key_layer[:, :, :key_end], value_layer[:, :, :key_end],
+                        attn_mask=mask, scale=a.attention_scale(layer), enable_gqa=a.num_heads != a.num_kv_heads,
+                    )
+                    for rows, key_end, mask in plans[window]
+                ], dim=2)
             hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
             now = time.perf_counter()
             timings[phase] += now - tick
@@ -509,7 +524,7 @@ class CacheBlendEngine:
         )
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 
-    def _query_attention_fn(self, a, layer, q, k, cos_all, sin_all, fresh_pos, cached_pos, segs):
+    def _query_attention_fn(self, a, layer, q, k, cos_all, sin_all, cached_pos, segs):
         """Attention mass from the last fresh segment's tokens (the question) to each cached token."""
         question_len = len(segs[-1].token_ids)
 
@@ -525,6 +540,31 @@ class CacheBlendEngine:
             return scores.sum(dim=(0, 1, 2))[cached_pos]
 
         return compute
+
+    @staticmethod
+    def _attention_plan(
+        query_positions: torch.Tensor, total: int, mask: str, window: int | None, dtype: torch.dtype
+    ) -> list[tuple[slice, int, torch.Tensor | None]]:
+        """Split sorted query positions into groups; each group attends only the keys up to its
+        last position. A masked attention cannot skip the causal upper triangle, so grouping
+        saves close to half of the attention work of the selected tokens."""
+        m = query_positions.numel()
+        groups = max(1, min(16, m // 32))
+        device = query_positions.device
+        effective = torch.arange(total - m, total, device=device) if mask == "bottom_right" else query_positions
+        bounds = sorted({0, m, *(round(m * g / groups) for g in range(1, groups))})
+        plan = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            pos = effective[lo:hi]
+            key_end = int(pos[-1]) + 1
+            key_pos = torch.arange(key_end, device=device)
+            allowed = key_pos[None, :] <= pos[:, None]
+            if window is not None and total > window:
+                allowed &= key_pos[None, :] > pos[:, None] - window
+            # An additive float mask, built once: SDPA would convert a boolean mask on every call.
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            plan.append((slice(lo, hi), key_end, additive))
+        return plan
 
     def _attend(
         self,

@@ -23,6 +23,11 @@ class CachedKVSource(ABC):
     @abstractmethod
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``index`` split per chunk. Sources that hold chunks apart override this to skip a copy."""
+        k, v = self.layer(index)
+        return list(zip(torch.split(k, lengths, dim=1), torch.split(v, lengths, dim=1)))
+
     def close(self) -> None:
         """Release background work; called once the blend is done, also on error."""
 
@@ -32,6 +37,13 @@ class InMemoryKVSource(CachedKVSource):
         self.chunks = list(chunks)
         self.device = device
         self.dtype = dtype
+
+    def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (c.keys[index].to(device=self.device, dtype=self.dtype, non_blocking=True),
+             c.values[index].to(device=self.device, dtype=self.dtype, non_blocking=True))
+            for c in self.chunks
+        ]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = [c.keys[index] for c in self.chunks]

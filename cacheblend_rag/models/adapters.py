@@ -18,11 +18,6 @@ from torch import nn
 from cacheblend_rag.errors import UnsupportedArchitectureError
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class DecoderAdapter:
     """Llama-family decoder: Llama, Mistral and Qwen2 share this layout.
 
@@ -59,11 +54,24 @@ class DecoderAdapter:
         return self.decoder.rotary_emb(like, positions)
 
     @staticmethod
-    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (``[batch, heads, tokens, head_dim]``) with cos/sin of ``[batch, tokens, head_dim]``."""
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        return x * cos + rotate_half(x) * sin
+    def apply_rope(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate ``x`` (``[batch, heads, tokens, head_dim]``) with cos/sin of ``[batch, tokens, head_dim]``.
+
+        Same arithmetic as ``x * cos + rotate_half(x) * sin`` (transformers builds cos/sin as two
+        equal halves for every rope type), but without materialising ``rotate_half``'s
+        concatenation: on a CPU the copies cost as much as the multiplications.
+        """
+        half = x.shape[-1] // 2
+        c = cos[..., :half].unsqueeze(1)
+        s = sin[..., :half].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        if out is None:
+            out = torch.empty_like(x)
+        torch.sub(x1 * c, x2 * s, out=out[..., :half])
+        torch.add(x2 * c, x1 * s, out=out[..., half:])
+        return out
 
     # -- one layer, piece by piece --------------------------------------------
     def input_norm(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
