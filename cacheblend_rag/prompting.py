@@ -10,7 +10,7 @@ concatenated, so a chunk's tokens are exactly those its cached KV was computed f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
 
@@ -79,4 +79,50 @@ def to_segments(
         if not ids:
             continue
         segments.append(StoredSegment(ids, prefix_ids) if piece.is_chunk else FreshSegment(ids))
+    return segments
+
+
+def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Sequence[int] = ()) -> list[Segment]:
+    """Like :func:`to_segments`, but with the token ids the whole prompt tokenizes to, when possible.
+
+    Tokenized piece by piece, the glue around chunks can come out differently from the same
+    text inside the whole prompt (``"\\n\\n"`` alone is one token in many BPE vocabularies,
+    while before a word it splits in two). When the whole prompt's tokens fall apart at
+    every chunk edge and each chunk's tokens equal its own tokenization (which its cached
+    KV was computed for), those whole-prompt ids are used, so a blend sees exactly the ids
+    that full prefill of the prompt sees. Otherwise this is :func:`to_segments`.
+    """
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    fallback = to_segments(split, tokenize, prefix_ids)
+    if not split.has_chunks or not getattr(tokenizer, "is_fast", False):
+        return fallback
+    prompt = "".join(p.text for p in split.pieces)
+    encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+    starts = [start for start, _ in offsets]
+    if starts != sorted(starts):
+        return fallback
+    piece_tokens: list[list[int]] = []
+    cursor, token = 0, 0
+    for piece in split.pieces:
+        end = cursor + len(piece.text)
+        taken = []
+        while token < len(ids) and offsets[token][0] < end:
+            if offsets[token][1] > end and piece.is_chunk:
+                return fallback  # a token reaches past the chunk's end
+            taken.append(ids[token])
+            token += 1
+        piece_tokens.append(taken)
+        cursor = end
+    if token != len(ids):
+        return fallback
+    segments: list[Segment] = []
+    for piece, piece_ids in zip(split.pieces, piece_tokens):
+        if piece.is_chunk and piece_ids != tokenize(piece.text):
+            return fallback
+        if piece_ids:
+            segments.append(StoredSegment(piece_ids, prefix_ids) if piece.is_chunk else FreshSegment(piece_ids))
     return segments

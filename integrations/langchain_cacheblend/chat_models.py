@@ -5,7 +5,9 @@ How a call works:
 1. The messages are rendered with the model's chat template into one prompt string.
 2. The prompt is split (``cacheblend_rag.prompting``) into the chunk texts this model
    was told about (by :class:`~langchain_cacheblend.CacheBlendRetriever` or
-   :meth:`ChatCacheBlend.warm`), found verbatim, and fresh text around them.
+   :meth:`ChatCacheBlend.warm`), found verbatim, and fresh text around them. Where the
+   tokenizer allows, the pieces keep the ids the whole prompt tokenizes to, so a blend
+   at ratio 1.0 reproduces the plain model exactly.
 3. Chunks are looked up in the chunk cache (computed on a miss), blended with
    selective recompute, and the answer is decoded token by token.
 
@@ -40,7 +42,7 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
-from cacheblend_rag.prompting import split_prompt, to_segments
+from cacheblend_rag.prompting import split_prompt, to_segments_in_context
 from cacheblend_rag.store import ChunkCache, WarmSummary
 from langchain_cacheblend._engines import chunk_cache_for, load_engine, slot_for
 from langchain_cacheblend._messages import render_prompt
@@ -343,7 +345,7 @@ class ChatCacheBlend(BaseChatModel):
         with slot_for(engine).lock:
             prompt = render_prompt(engine.tokenizer, messages)
             split = split_prompt(prompt, self._known_chunks.snapshot())
-            segments = to_segments(split, engine.tokenize, cache.prefix_ids)
+            segments = to_segments_in_context(split, engine.tokenizer, cache.prefix_ids)
             stream = engine.stream(segments, settings.generation, config=settings.blend, store=cache)
             deltas = iter(stream)
             try:

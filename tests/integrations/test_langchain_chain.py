@@ -116,3 +116,27 @@ async def test_stream_batch_and_async_agree_with_invoke(engine, vectorstore) -> 
     assert [await chain.ainvoke(q) for q in QUESTIONS] == expected
     assert await chain.abatch(QUESTIONS) == expected
     assert ["".join([c async for c in chain.astream(q)]) for q in QUESTIONS] == expected
+
+
+@pytest.mark.slow
+def test_smollm2_chain_reuses_cache_and_matches_full_prefill_at_ratio_one(smollm2_engine) -> None:
+    from cacheblend_rag.data import load_demo_corpus, load_demo_questions
+
+    articles = load_demo_corpus()[:4]
+    documents = [Document(page_content=f"{a.title}\n{a.text}") for a in articles]
+    store = FAISS.from_documents(documents, DeterministicFakeEmbedding(size=32))
+    question = next(q.question for q in load_demo_questions() if q.source == articles[0].doc_id)
+    runs = {}
+    for name, ratio in (("reuse", 0.15), ("exact", 1.0)):
+        chain, retriever, _ = cacheblend_chain(smollm2_engine, store, recompute_ratio=ratio)
+        retriever.warm(documents, show_progress=False)
+        collector = MetadataCollector()
+        runs[name] = (chain.invoke(question, config={"callbacks": [collector]}), collector.runs[-1])
+    plain = MetadataCollector()
+    full_answer = make_chain(store.as_retriever(search_kwargs={"k": 2}), ChatCacheBlend(
+        engine=smollm2_engine, max_tokens=12)).invoke(question, config={"callbacks": [plain]})
+    reuse, exact = runs["reuse"][1], runs["exact"][1]
+    assert reuse["mode"] == "blend" and reuse["cache_hits"] == 2 and reuse["reused_tokens"] > 0
+    # The chat template keeps each chunk verbatim and the prompt keeps the whole-prompt token ids.
+    assert exact["prompt_tokens"] == plain.runs[-1]["prompt_tokens"] == reuse["prompt_tokens"]
+    assert runs["exact"][0] == full_answer
