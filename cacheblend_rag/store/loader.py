@@ -85,8 +85,10 @@ class PipelinedKVSource(CachedKVSource):
         self._futures: dict[int, Future] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
+        self._fresh_ready = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+            self._fresh_ready = self._mark_fresh_ready()
         if prefetch and any(c.manifest is not None for c in self.chunks):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-loader")
             self._schedule(first_layer)
@@ -122,6 +124,11 @@ class PipelinedKVSource(CachedKVSource):
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
+    def _mark_fresh_ready(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     # ------------------------------------------------------------ loader side
     def _schedule(self, index: int) -> None:
         if self._executor is not None and index not in self._futures and 0 <= index < self.num_layers:
@@ -135,9 +142,12 @@ class PipelinedKVSource(CachedKVSource):
             try:
                 blobs = self.store.get_layers([(c.key, c.manifest.write_id, index) for c in stored])
             except (StoreError, OSError) as exc:
+                # One warning for the whole read, not one per chunk: it is one failure of the store.
+                logger.warning("KV store failed to read layer %d (%s); recomputing %d stored chunks",
+                               index, exc, len(stored))
                 blobs = [None] * len(stored)
                 for c in stored:
-                    self._recompute(c, f"store failed to read layer {index}: {exc}", index, damaged=False)
+                    self._recompute(c, str(exc), index, damaged=False, quiet=True)
         decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for chunk, blob in zip(stored, blobs):
             if chunk.fresh is not None:
@@ -162,10 +172,13 @@ class PipelinedKVSource(CachedKVSource):
                 values.append(v)
         return self._to_device(keys, values)
 
-    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool) -> None:
-        logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
-                       chunk.key[:12], index, reason)
+    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool, quiet: bool = False) -> None:
+        if not quiet:
+            logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
+                           chunk.key[:12], index, reason)
         chunk.fresh = self.engine.prefill_chunk(chunk.segment.token_ids, prefix_ids=chunk.segment.prefix_ids)
+        if self._stream is not None:
+            self._fresh_ready = self._mark_fresh_ready()
         chunk.damaged = reason if damaged else None
         if self.on_damaged is not None and damaged:
             self.on_damaged(chunk, reason, chunk.fresh)
@@ -176,8 +189,10 @@ class PipelinedKVSource(CachedKVSource):
             v = torch.cat([t.to(self.dtype) for t in values], dim=1) if len(values) > 1 else values[0].to(self.dtype)
             return k.to(self.device), v.to(self.device), None
         # CUDA: copy the (16-bit) bytes from pinned memory on a side stream and convert on the
-        # device; recomputed chunks are already there, made on the default stream.
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        # device. Freshly computed chunks are already there; the side stream waits for exactly
+        # their kernels (an event), never for the blend's own work, or the overlap would be lost.
+        if any(t.device.type != "cpu" for t in keys):
+            self._stream.wait_event(self._fresh_ready)
         with torch.cuda.stream(self._stream):
             def move(t: torch.Tensor) -> torch.Tensor:
                 if t.device.type == "cpu":
