@@ -90,6 +90,13 @@ class KVStore(ABC):
         """Keys of the chunks that have a manifest."""
 
     # ------------------------------------------------------------- admin
+    def bind_model(self, fingerprint: str) -> None:
+        """Called by :class:`~cacheblend_rag.store.ChunkCache` with its model's fingerprint.
+
+        Chunk keys already embed the fingerprint; a backend may also group its keys by it
+        (Redis namespaces them, so one model's entries can be listed or cleared alone).
+        """
+
     def record(self, **counts: int) -> None:
         """Add to the ``hits``/``misses``/``evictions``/``corrupt`` counters (persistent backends persist them)."""
         unknown = set(counts) - set(COUNTERS)

@@ -92,6 +92,7 @@ class ChunkCache:
         self.engine = engine
         self._owns_store = not isinstance(store, KVStore)
         self.store: KVStore = open_store(store)
+        self.store.bind_model(engine.fingerprint)
         self.prefix_ids = tuple(int(t) for t in prefix_ids)
         self.batch_size = batch_size
         self.storage_dtype = storage_dtype
@@ -312,7 +313,9 @@ class ChunkCache:
                 future.exception(timeout=remaining)
 
     def _warn(self, what: str, exc: BaseException) -> None:
-        kind = f"{what}:{type(exc).__name__}"
+        # Keyed by the kind of failure only: a server that went away fails reads and writes
+        # alike, and that is one event for the user.
+        kind = type(exc).__name__
         now = time.monotonic()
         if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
             self._last_warning[kind] = now

@@ -1,4 +1,4 @@
-"""TieredKVStore: fast tiers in front of slow ones (memory, then disk, then later Redis).
+"""TieredKVStore: fast tiers in front of slow ones (memory, then disk, then Redis).
 
 Reads go through the tiers in order and copy what a slower tier returns into the faster
 ones (promotion on hit). Writes go through to every tier; the slowest tier, the one shared
@@ -77,6 +77,52 @@ class TieredKVStore(KVStore):
         return self._first(lambda t: t.get_layer(key, write_id, layer),
                            lambda t, data: t.put_layer(key, write_id, layer, data))
 
+    def get_layers(self, requests: Sequence[tuple[str, str, int]]) -> list[bytes | None]:
+        """One batched read per tier (one round trip to Redis) for what the faster tiers lacked.
+
+        A value no tier returned while some tier failed may sit in the failed tier, so that
+        raises :class:`StoreError` (the loader recomputes) rather than report it missing
+        (which the loader would take for damage and delete).
+        """
+        found = self._batched(requests, lambda t, asked: t.get_layers(asked),
+                              lambda t, request, data: t.put_layer(*request, data))
+        if found is None:
+            raise StoreError(f"a tier of {self.describe()} that may hold the layers asked for is failing")
+        return found
+
+    def get_manifests(self, keys: Sequence[str]) -> list[bytes | None]:
+        found = self._batched(keys, lambda t, asked: t.get_manifests(asked),
+                              lambda t, key, data: t.add_manifest(key, data), unreadable_is_missing=True)
+        assert found is not None
+        return found
+
+    def _batched(self, requests: Sequence[Any], get: Callable[[KVStore, list], list],
+                 promote: Callable[[KVStore, Any, bytes], Any], *, unreadable_is_missing: bool = False
+                 ) -> list[bytes | None] | None:
+        """Values of ``requests``, each from the fastest tier holding it, promoted to the faster tiers."""
+        results: list[bytes | None] = [None] * len(requests)
+        todo = list(range(len(requests)))
+        answered, failed = False, False
+        for i, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            ok, values = self._call(i, lambda t=tier, asked=[requests[j] for j in todo]: get(t, asked))
+            answered |= ok
+            if not ok:
+                failed = True
+                continue
+            for j, value in zip(todo, values):
+                if value is not None:
+                    results[j] = value
+                    for faster in range(i):
+                        self._call(faster, lambda t=self.tiers[faster], r=requests[j], v=value: promote(t, r, v))
+            todo = [j for j, value in zip(todo, values) if value is None]
+        if not answered and requests:
+            raise StoreError(f"every tier of {self.describe()} failed to read")
+        if todo and failed and not unreadable_is_missing:
+            return None
+        return results
+
     def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
         self._all("write a layer", lambda t: t.put_layer(key, write_id, layer, data))
 
@@ -122,6 +168,10 @@ class TieredKVStore(KVStore):
     def durable(self) -> KVStore:
         """The slowest tier, whose counters and size stand for the whole store."""
         return self.tiers[-1]
+
+    def bind_model(self, fingerprint: str) -> None:
+        for tier in self.tiers:
+            tier.bind_model(fingerprint)
 
     def record(self, **counts: int) -> None:
         super().record(**counts)

@@ -1,0 +1,457 @@
+"""RedisKVStore: chunk KV in a Redis server shared by every serving replica.
+
+Layout. One Redis hash per chunk holds the chunk's manifest (field ``m``) and its layer
+values (fields ``<write_id>:<layer>``), under the key::
+
+    <prefix>:<namespace>:{<chunk key>}
+
+``prefix`` is chosen by the user (one Redis for several applications); ``namespace`` is a
+short digest of the model fingerprint, bound by :class:`~cacheblend_rag.store.ChunkCache`
+(or given explicitly), so ``cache stats``/``clear`` can address one model. The braces are a
+Redis Cluster hash tag: a chunk's fields never span slots. One hash per chunk also means
+that the server's ``maxmemory`` eviction removes whole chunks, never single layers.
+
+Visibility. Layers are written first, while the hash carries a short "pending" expiry, so
+the layers of a writer that dies midway disappear by themselves. The manifest is written
+last by a server-side script that checks every layer of the write is there, sets the
+manifest only if none exists (the first complete write wins), and then replaces the pending
+expiry by the configured ``ttl`` (or none). Readers only read chunks that have a manifest.
+
+Reads of layer ``l`` of all chunks of a blend go out as one pipeline (one round trip), which
+the loader issues for layer ``l + 1`` while layer ``l`` computes.
+
+Values are the checksummed byte format of :mod:`cacheblend_rag.store.format`; nothing is
+ever unpickled (``decode_responses`` is off and values are handed on as raw bytes).
+
+Failures. A lost connection, a timeout, or a server that is restarting or loading raise
+:class:`StoreError`, which the chunk cache and the tiered store treat as a miss. After such
+a failure the store does not touch the network again until a backoff delay has passed
+(exponential, capped by ``max_backoff``): requests keep their latency while Redis is down,
+and the first call after the delay reconnects. Bad URLs and rejected credentials are
+configuration errors, raised at construction with what to fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from typing import Any, Iterator, Sequence
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
+from cacheblend_rag.store.errors import StoreError
+from cacheblend_rag.store.factory import register_store_scheme
+from cacheblend_rag.store.format import decode_manifest
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FIELD = b"m"
+DEFAULT_PREFIX = "cacheblend"
+# Namespace of a store not bound to a model: stats/clear/keys then cover every namespace.
+_ANY_NAMESPACE = "*"
+_SCAN_BATCH = 500
+
+# Errors after which the server is presumed down (not reachable, timing out, restarting, loading).
+_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+# KEYS[1] chunk hash; ARGV: field, value, pending expiry in seconds.
+_PUT_LAYER = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('HEXISTS', KEYS[1], 'm') == 0 then
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+end
+return 1
+"""
+
+# KEYS[1] chunk hash; ARGV: manifest, ttl (0: none), write id, number of layers.
+# Returns 1 if stored, 0 if another manifest stands, -1 if a layer of this write is gone.
+_ADD_MANIFEST = """
+if redis.call('HEXISTS', KEYS[1], 'm') == 1 then return 0 end
+for layer = 0, tonumber(ARGV[4]) - 1 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[3] .. ':' .. layer) == 0 then return -1 end
+end
+redis.call('HSET', KEYS[1], 'm', ARGV[1])
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) else redis.call('PERSIST', KEYS[1]) end
+return 1
+"""
+
+
+def model_namespace(fingerprint: str) -> str:
+    """The key namespace of a model: 16 hex digits of its fingerprint's SHA-256."""
+    return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (kept: scheme, user, host, port, database)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return urlunsplit(parts._replace(query=""))
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    host = parts.hostname or ""
+    netloc = user + (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc, query=""))
+
+
+def _layer_field(write_id: str, layer: int) -> bytes:
+    return f"{write_id}:{layer}".encode()
+
+
+def _positive_number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        hint = ", or None for none" if allow_none else ""
+        raise ConfigError(f"{name}={value!r} must be a positive number of seconds{hint}")
+    return float(value)
+
+
+class RedisKVStore(KVStore):
+    """Chunk KV in Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``, or ``rediss://`` for TLS).
+
+    ``prefix`` starts every key; ``namespace`` separates models (default: bound to the model
+    by the chunk cache). ``ttl`` (seconds) expires entries that long after they were written;
+    without it, entries stay until deleted or evicted by the server's ``maxmemory-policy``.
+    ``socket_timeout`` bounds each command; ``max_backoff`` bounds the wait between reconnect
+    attempts while the server is down. ``check_connection=False`` starts without reaching the
+    server (a replica may start while Redis is down; calls fail over until it is up).
+
+    The URL may carry ``prefix``, ``namespace`` and ``ttl`` as query parameters, next to
+    redis-py's own (``socket_timeout``, ``ssl_cert_reqs``, ...), e.g.
+    ``redis://:secret@cache:6379/0?prefix=myapp&ttl=86400``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        namespace: str | None = None,
+        ttl: float | None = None,
+        pending_ttl: float = 3600,
+        socket_timeout: float = 2.0,
+        connect_timeout: float = 1.0,
+        max_backoff: float = 30.0,
+        check_connection: bool = True,
+    ) -> None:
+        super().__init__()
+        url, options = self._split_url(url)
+        prefix = options.pop("prefix", prefix) or DEFAULT_PREFIX
+        namespace = options.pop("namespace", namespace)
+        ttl = options.pop("ttl", ttl)
+        for name, value in (("prefix", prefix), ("namespace", namespace)):
+            if value is not None and (not value or any(c in value for c in ":{}*?[] ")):
+                raise ConfigError(f"{name}={value!r} must be a non-empty name without ':', braces, spaces "
+                                  "or glob characters")
+        self.url = url
+        self.prefix = prefix
+        self.namespace = namespace
+        self.ttl = None if ttl in (None, "", "0", 0) else int(_positive_number("ttl", ttl))
+        self.pending_ttl = int(_positive_number("pending_ttl", pending_ttl))
+        self.max_backoff = _positive_number("max_backoff", max_backoff)
+        try:
+            # No retries inside redis-py except one immediate reconnect (a pooled connection
+            # that died with a server restart); waiting is this store's backoff, not the request's.
+            self._client = redis.Redis.from_url(
+                url + (("?" + urlencode(options)) if options else ""),
+                socket_timeout=_positive_number("socket_timeout", socket_timeout),
+                socket_connect_timeout=_positive_number("connect_timeout", connect_timeout),
+                retry=Retry(NoBackoff(), 1), decode_responses=False,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"Redis URL {redact_url(url)!r} is not valid: {exc}. Write redis://[[user]:password@]host[:port][/db] "
+                "or rediss://... for TLS"
+            ) from None
+        self._put_layer = self._client.register_script(_PUT_LAYER)
+        self._add_manifest = self._client.register_script(_ADD_MANIFEST)
+        self._backoff = ExponentialBackoff(cap=self.max_backoff, base=0.25)
+        self._health_lock = threading.Lock()
+        self._failures = 0
+        self._retry_at = 0.0
+        if check_connection:
+            self.ping()
+
+    @staticmethod
+    def _split_url(url: str) -> tuple[str, dict[str, str]]:
+        """``url`` without its query, and the query's parameters."""
+        try:
+            parts = urlsplit(str(url))
+        except ValueError as exc:
+            raise ConfigError(f"Redis URL is not valid: {exc}") from None
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} must start with redis:// or rediss:// (TLS)")
+        if not parts.hostname:
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} names no host; write redis://host:6379/0")
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535") from None
+        options = dict(parse_qsl(parts.query))
+        return urlunsplit(parts._replace(query="")), options
+
+    # ---------------------------------------------------------- connection
+    def ping(self) -> None:
+        """Reach the server now; raises :class:`ConfigError` for rejected credentials, else :class:`StoreError`."""
+        where = redact_url(self.url)
+        try:
+            self._client.ping()
+        except TypeError as exc:  # redis-py passes unknown URL query parameters on to the connection
+            raise ConfigError(f"Redis URL {where!r} has an option redis-py does not know ({exc}); this store adds "
+                              "prefix, namespace and ttl to redis-py's own (socket_timeout, ssl_cert_reqs, ...)"
+                              ) from None
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError) as exc:
+            if urlsplit(self.url).password is None:
+                raise ConfigError(f"Redis at {where} requires a password ({exc}); write redis://:PASSWORD@host:port/0 "
+                                  "(or redis://USER:PASSWORD@... for an ACL user)") from None
+            raise ConfigError(f"Redis at {where} rejected the credentials ({exc}). Put the right password in the "
+                              "URL (redis://:PASSWORD@host:port/0, or redis://USER:PASSWORD@... for an ACL user)"
+                              ) from None
+        except redis.exceptions.ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise ConfigError(f"Redis at {where} needs a password ({exc}); write redis://:PASSWORD@host:port/0"
+                                  ) from None
+            raise StoreError(f"Redis at {where} answered PING with an error: {exc}") from None
+        except _UNAVAILABLE as exc:
+            raise StoreError(f"cannot reach Redis at {where}: {exc}. Check the host and port, that the server "
+                             "runs, and that TLS (rediss://) matches the server; or pass check_connection=False "
+                             "to start while it is down") from None
+        self._mark_up()
+
+    def _mark_up(self) -> None:
+        if self._failures:
+            with self._health_lock:
+                was_down, self._failures, self._retry_at = self._failures, 0, 0.0
+            if was_down:
+                logger.info("Redis at %s is reachable again", redact_url(self.url))
+
+    def _mark_down(self) -> float:
+        with self._health_lock:
+            self._failures += 1
+            delay = self._backoff.compute(self._failures)
+            self._retry_at = time.monotonic() + delay
+        return delay
+
+    @contextlib.contextmanager
+    def _io(self, what: str) -> Iterator[None]:
+        where = redact_url(self.url)
+        wait = self._retry_at - time.monotonic()
+        if self._failures and wait > 0:
+            raise StoreError(f"Redis at {where} is unavailable; cannot {what}, next reconnect attempt in {wait:.1f}s")
+        try:
+            yield
+        except _UNAVAILABLE as exc:
+            delay = self._mark_down()
+            raise StoreError(f"Redis at {where} is unavailable ({exc}); cannot {what}, "
+                             f"reconnecting in {delay:.1f}s") from exc
+        except redis.exceptions.RedisError as exc:
+            message = str(exc)
+            if "LOADING" in message or "MASTERDOWN" in message or "TRYAGAIN" in message:
+                self._mark_down()
+            raise StoreError(f"Redis at {where} cannot {what}: {exc}") from exc
+        else:
+            self._mark_up()
+
+    # ----------------------------------------------------------------- keys
+    def bind_model(self, fingerprint: str) -> None:
+        """Put this store's keys under ``fingerprint``'s namespace, unless one was set explicitly."""
+        if self.namespace is None:
+            self.namespace = model_namespace(fingerprint)
+        elif self.namespace != model_namespace(fingerprint):
+            # Chunk keys embed the fingerprint, so another model's entries never collide;
+            # they only share this namespace.
+            logger.debug("RedisKVStore namespace %s is kept for a second model", self.namespace)
+
+    def _scope(self) -> str:
+        return f"{self.prefix}:{self.namespace or _ANY_NAMESPACE}:"
+
+    def _hash(self, key: str) -> bytes:
+        if self.namespace is None:
+            raise StoreError("RedisKVStore has no namespace yet: pass namespace=... or use it through a ChunkCache, "
+                             "which binds it to the model")
+        return f"{self.prefix}:{self.namespace}:{{{key}}}".encode()
+
+    def _counters_key(self) -> bytes:
+        return self._scope().encode() + b"counters"
+
+    # --------------------------------------------------------------- layers
+    def get_layer(self, key: str, write_id: str, layer: int) -> bytes | None:
+        return self.get_layers([(key, write_id, layer)])[0]
+
+    def get_layers(self, requests: Sequence[tuple[str, str, int]]) -> list[bytes | None]:
+        if not requests:
+            return []
+        names = [(self._hash(key), _layer_field(write_id, layer)) for key, write_id, layer in requests]
+        with self._io("read layers"):
+            pipe = self._client.pipeline(transaction=False)
+            for name, field in names:
+                pipe.hget(name, field)
+            return pipe.execute()
+
+    def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
+        name = self._hash(key)
+        with self._io("write a layer"):
+            self._put_layer(keys=[name], args=[_layer_field(write_id, layer), bytes(data), self.pending_ttl])
+
+    def delete_layers(self, key: str, write_id: str, num_layers: int) -> None:
+        if num_layers < 1:
+            return
+        name = self._hash(key)
+        with self._io("delete layers"):
+            self._client.hdel(name, *(_layer_field(write_id, layer) for layer in range(num_layers)))
+
+    # ------------------------------------------------------------ manifests
+    def get_manifest(self, key: str) -> bytes | None:
+        return self.get_manifests([key])[0]
+
+    def get_manifests(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [self._hash(key) for key in keys]
+        with self._io("read manifests"):
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.hget(name, MANIFEST_FIELD)
+            return pipe.execute()
+
+    def add_manifest(self, key: str, data: bytes) -> bool:
+        manifest = decode_manifest(data, expected_key=key)  # the script needs its write id and layer count
+        name = self._hash(key)
+        with self._io("write a manifest"):
+            result = self._add_manifest(
+                keys=[name], args=[bytes(data), self.ttl or 0, manifest.write_id, manifest.num_layers])
+        if result == -1:
+            raise StoreError(f"Redis at {redact_url(self.url)} lost layers of chunk {key[:12]}... before its manifest "
+                             "was written (evicted under maxmemory?); the chunk stays absent")
+        return result == 1
+
+    def contains(self, key: str) -> bool:
+        name = self._hash(key)
+        with self._io("look up a manifest"):
+            return bool(self._client.hexists(name, MANIFEST_FIELD))
+
+    def delete(self, key: str) -> bool:
+        name = self._hash(key)
+        with self._io("delete a chunk"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hexists(name, MANIFEST_FIELD)
+            pipe.unlink(name)
+            existed, _ = pipe.execute()
+        return bool(existed)
+
+    def _chunk_hashes(self) -> Iterator[bytes]:
+        """Names of the chunk hashes in scope (with or without a manifest)."""
+        with self._io("list keys"):
+            names = list(self._client.scan_iter(match=self._scope() + "{*}", count=_SCAN_BATCH, _type="hash"))
+        return iter(names)
+
+    def keys(self) -> Iterator[str]:
+        names = list(self._chunk_hashes())
+        for start in range(0, len(names), _SCAN_BATCH):
+            batch = names[start : start + _SCAN_BATCH]
+            with self._io("list keys"):
+                pipe = self._client.pipeline(transaction=False)
+                for name in batch:
+                    pipe.hexists(name, MANIFEST_FIELD)
+                complete = pipe.execute()
+            for name, has_manifest in zip(batch, complete):
+                if has_manifest:
+                    yield name.decode().rsplit("{", 1)[1].rstrip("}")
+
+    # ---------------------------------------------------------------- admin
+    def record(self, **counts: int) -> None:
+        unknown = set(counts) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}; known counters are {COUNTERS}")
+        if self.namespace is None or not any(counts.values()):
+            super().record(**counts)
+            return
+        with self._io("update its counters"):
+            pipe = self._client.pipeline(transaction=False)
+            for name, n in counts.items():
+                if n:
+                    pipe.hincrby(self._counters_key(), name, int(n))
+            pipe.execute()
+
+    def _counter_hashes(self) -> list[bytes]:
+        if self.namespace is not None:
+            return [self._counters_key()]
+        return list(self._client.scan_iter(match=self._counters_key(), count=_SCAN_BATCH))
+
+    def counters(self) -> dict[str, int]:
+        """Counts shared by every replica (summed over all models when no namespace is bound)."""
+        totals = super().counters()
+        with self._io("read its counters"):
+            for name in self._counter_hashes():
+                for field, value in self._client.hgetall(name).items():
+                    if field.decode() in totals:
+                        totals[field.decode()] += int(value)
+        return totals
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        with self._io("reset its counters"):
+            names = self._counter_hashes()
+            if names:
+                self._client.unlink(*names)
+
+    def stats(self) -> StoreStats:
+        names = list(self._chunk_hashes())
+        entries, used = 0, 0
+        for start in range(0, len(names), _SCAN_BATCH):
+            batch = names[start : start + _SCAN_BATCH]
+            with self._io("measure its size"):
+                pipe = self._client.pipeline(transaction=False)
+                for name in batch:
+                    pipe.hexists(name, MANIFEST_FIELD)
+                    pipe.memory_usage(name, samples=0)
+                answers = pipe.execute()
+            entries += sum(bool(a) for a in answers[0::2])
+            used += sum(int(a or 0) for a in answers[1::2])
+        with self._io("read its memory settings"):
+            memory = self._client.info("memory")
+        details = {"url": redact_url(self.url), "prefix": self.prefix, "namespace": self.namespace, "ttl": self.ttl,
+                   "server_used_memory": memory.get("used_memory"), "server_maxmemory": memory.get("maxmemory"),
+                   "server_maxmemory_policy": memory.get("maxmemory_policy")}
+        return StoreStats(entries=entries, bytes=used, **self.counters(), details=details)
+
+    def clear(self) -> None:
+        names = list(self._chunk_hashes())
+        with self._io("clear"):
+            for start in range(0, len(names), _SCAN_BATCH):
+                self._client.unlink(*names[start : start + _SCAN_BATCH])
+        self.reset_counters()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def describe(self) -> str:
+        namespace = "" if self.namespace is None else f", namespace={self.namespace}"
+        ttl = "" if self.ttl is None else f", ttl={self.ttl}s"
+        return f"RedisKVStore({redact_url(self.url)!r}, prefix={self.prefix}{namespace}{ttl})"
+
+
+def _open_redis(spec: str, *, size_limit: int | None = None, **options: Any) -> RedisKVStore:
+    if size_limit is not None:
+        raise ConfigError("size_limit does not apply to a Redis store; bound it on the server with maxmemory "
+                          "and maxmemory-policy allkeys-lru (whole chunks are evicted)")
+    return RedisKVStore(spec, **options)
+
+
+register_store_scheme("redis", _open_redis)
+register_store_scheme("rediss", _open_redis)
+
+__all__ = ["RedisKVStore", "model_namespace", "redact_url"]
