@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench clean redis-server
 
 install: $(STAMP)
 
@@ -27,10 +27,14 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m cacheblend_rag.demo
 
-test: $(STAMP)
+# The Redis store tests start their own redis-server (Debian package) on a free local port.
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server)
+
+test: $(STAMP) redis-server
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) redis-server
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
