@@ -8,6 +8,11 @@
 
 A chunk is a cache hit later only if a blend sees exactly the same text (and prefix), so
 feed ``warm`` the texts your retriever returns.
+
+A large corpus is warmed by N workers at once, each given the same files and its own
+``--shard I/N`` (I = 0..N-1). Chunks are split by their key, so the split is the same in
+every worker and every chunk is computed by exactly one of them; chunks already in the
+store are skipped, so a rerun adds only what is missing.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ def _add_store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-limit", help="bound a disk store, e.g. 20GB (whole chunks are evicted, oldest first)")
 
 
-def _open(args: argparse.Namespace) -> KVStore:
+def _open(args: argparse.Namespace, *, create: bool = False) -> KVStore:
+    if args.path is not None and not create and not Path(args.path).is_dir():
+        raise ConfigError(f"there is no store at {args.path}; check the path (warm creates a store)")
     return open_store(args.path if args.path is not None else args.store, size_limit=args.size_limit)
 
 
@@ -59,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="bits kept per value (default auto: 16)")
     warm.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    warm.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                      help="warm only shard I of N (I = 0..N-1); run N workers on the same files to split the work")
     warm.set_defaults(func=_cmd_warm)
 
 
@@ -103,6 +112,22 @@ def read_chunks(path: Path) -> Iterator[str]:
         yield record["text"]
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"shard {text!r} must be I/N with 0 <= I < N, e.g. 0/4 ... 3/4")
+    return index, count
+
+
+def shard_of(key: str, count: int) -> int:
+    """The shard (of ``count``) a chunk key belongs to; keys are SHA-256 hex, so shards come out even."""
+    return int(key[:16], 16) % count
+
+
 def _cmd_warm(args: argparse.Namespace) -> int:
     from cacheblend_rag.engine import CacheBlendEngine
     from cacheblend_rag.store.chunk_cache import ChunkCache
@@ -110,12 +135,18 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     texts = [chunk for path in args.files for chunk in read_chunks(path)]
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     prefix = engine.tokenize(args.prefix) if args.prefix else ()
-    with ChunkCache(engine, _open(args), prefix_ids=prefix, batch_size=args.batch_size,
+    corpus_size = len(texts)
+    with ChunkCache(engine, _open(args, create=True), prefix_ids=prefix, batch_size=args.batch_size,
                     storage_dtype=args.storage_dtype) as cache:
+        if args.shard is not None:
+            index, count = args.shard
+            texts = [t for t in texts if shard_of(cache.key_for(engine.tokenize(t)), count) == index]
         summary = cache.warm(texts, show_progress=not args.no_progress)
         stats = cache.stats()
         cache.store.close()
-    print(json.dumps({"store": cache.store.describe(), "chunks": len(texts), "new": summary.new,
+    shard = None if args.shard is None else "{}/{}".format(*args.shard)
+    print(json.dumps({"store": cache.store.describe(), "shard": shard, "corpus_chunks": corpus_size,
+                      "chunks": len(texts), "new": summary.new,
                       "present": summary.present, "failed": summary.failed,
                       "bytes_written": summary.bytes_written, "entries": stats.entries, "bytes": stats.bytes}))
     return 1 if summary.failed else 0

@@ -62,6 +62,12 @@ def test_warm_then_stats_then_clear(tmp_path, capsys, tiny_model_cli):
     assert json.loads(capsys.readouterr().out)["entries"] == 0
 
 
+def test_stats_of_a_missing_store_is_an_error_not_a_new_store(tmp_path):
+    with pytest.raises(ConfigError, match="no store at"):
+        main(["cache", "stats", "--path", str(tmp_path / "typo")])
+    assert not (tmp_path / "typo").exists()
+
+
 def test_store_options_are_required_and_exclusive(capsys):
     with pytest.raises(SystemExit):
         main(["cache", "stats"])
