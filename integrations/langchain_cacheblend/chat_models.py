@@ -135,6 +135,9 @@ class ChatCacheBlend(BaseChatModel):
     ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
     ``usage_metadata`` counts tokens, with ``input_token_details["cache_read"]`` the prompt
     tokens whose cached KV was reused as is.
+
+    ``api_key``, ``base_url`` and ``max_retries``, standard parameters of hosted models, are
+    accepted and ignored; any other unknown argument is an error.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
@@ -163,7 +166,7 @@ class ChatCacheBlend(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     timeout: float | None = None
-    """Seconds one call may take; a longer call raises ``TimeoutError``."""
+    """Seconds one call may take, checked as tokens are decoded; a longer call raises ``TimeoutError``."""
     streaming: bool = False
     """Generate through the streaming path on ``invoke`` too (token callbacks fire)."""
     max_known_chunks: int = Field(default=4096, ge=1)
