@@ -211,3 +211,14 @@ def test_unusable_store_path_fails_at_construction(tmp_path) -> None:
     blocker.write_text("not a folder")
     with pytest.raises(ValidationError, match="store_path=.*cannot hold a chunk KV store"):
         ChatCacheBlend(model="tiny-llama", store_path=str(blocker / "kv"))
+
+
+def test_announced_texts_are_bounded_most_recent_first(engine) -> None:
+    llm = ChatCacheBlend(engine=engine, max_known_chunks=2)
+    llm.announce_chunks(["a", "b", "c", "  "])
+    llm.announce_chunks([Document(page_content="b")])
+    assert llm.known_chunk_texts == ["c", "b"]
+    # Copies made by bind/with_config see the same announcements.
+    assert llm.model_copy().known_chunk_texts == ["c", "b"]
+    llm.forget_chunks()
+    assert llm.known_chunk_texts == []
