@@ -119,9 +119,33 @@ class ChunkCache:
         return tuple(self.engine.tokenize(item)) if isinstance(item, str) else tuple(int(t) for t in item)
 
     # ---------------------------------------------------------------- reads
-    def _valid_manifest(self, engine: Any, key: str, data: bytes | None, num_tokens: int) -> Manifest | None:
+    def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
+        try:
+            return list(self.store.get_manifests(keys))
+        except CorruptEntryError:
+            pass  # one value the backend refused to load (say, a pickle); find out which
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            return [None] * len(keys)
+        out: list[bytes | CorruptEntryError | None] = []
+        for key in keys:
+            try:
+                out.append(self.store.get_manifest(key))
+            except CorruptEntryError as exc:
+                out.append(exc)
+            except (StoreError, OSError) as exc:
+                self._warn("read", exc)
+                out.append(None)
+        return out
+
+    def _valid_manifest(
+        self, engine: Any, key: str, data: bytes | CorruptEntryError | None, num_tokens: int
+    ) -> Manifest | None:
         """The manifest if it is whole and fits this model; a damaged one is removed and counted."""
         if data is None:
+            return None
+        if isinstance(data, CorruptEntryError):
+            self._discard(key, str(data))
             return None
         try:
             manifest = decode_manifest(data, expected_key=key)
@@ -149,16 +173,12 @@ class ChunkCache:
         prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         ids = tuple(int(t) for t in token_ids)
         key = self.key_for(ids, prefix)
-        try:
-            manifest = self._valid_manifest(self.engine, key, self.store.get_manifest(key), len(ids))
-            if manifest is None:
-                return None
-            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
+        manifest = self._valid_manifest(self.engine, key, self._fetch_manifests([key])[0], len(ids))
+        if manifest is None:
             return None
         keys, values = [], []
         try:
+            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
             for i, blob in enumerate(blobs):
                 if blob is None or value_digest(blob) != manifest.layer_digests[i]:
                     raise CorruptEntryError(f"layer {i} is missing or not the value its manifest names")
@@ -168,16 +188,15 @@ class ChunkCache:
         except CorruptEntryError as exc:
             self._discard(key, str(exc))
             return None
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            return None
         return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
 
     def open_source(self, engine: Any, segments: Sequence[StoredSegment]) -> tuple[CachedKVSource, int, int]:
         """A layer-wise source over ``segments`` (in order), plus the numbers of hits and misses."""
         keys = [self.key_for(s.token_ids, s.prefix_ids, engine) for s in segments]
-        try:
-            manifests = self.store.get_manifests(keys)
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
-            manifests = [None] * len(keys)
+        manifests = self._fetch_manifests(keys)
         plans: list[PlannedChunk | None] = []
         missing: list[int] = []
         for i, (segment, key, data) in enumerate(zip(segments, keys, manifests)):

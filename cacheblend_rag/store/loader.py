@@ -137,22 +137,14 @@ class PipelinedKVSource(CachedKVSource):
     def _load(self, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Layer ``index`` of every chunk, on the engine's device and dtype (runs on the loader thread)."""
         stored = [c for c in self.chunks if c.fresh is None]
-        blobs: list[bytes | None] = []
-        if stored:
-            try:
-                blobs = self.store.get_layers([(c.key, c.manifest.write_id, index) for c in stored])
-            except (StoreError, OSError) as exc:
-                # One warning for the whole read, not one per chunk: it is one failure of the store.
-                logger.warning("KV store failed to read layer %d (%s); recomputing %d stored chunks",
-                               index, exc, len(stored))
-                blobs = [None] * len(stored)
-                for c in stored:
-                    self._recompute(c, str(exc), index, damaged=False, quiet=True)
+        blobs = self._fetch(stored, index)
         decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for chunk, blob in zip(stored, blobs):
             if chunk.fresh is not None:
                 continue
             try:
+                if isinstance(blob, CorruptEntryError):
+                    raise blob
                 if blob is None:
                     raise CorruptEntryError(f"layer {index} is missing")
                 self.bytes_read += len(blob)
@@ -171,6 +163,33 @@ class PipelinedKVSource(CachedKVSource):
                 keys.append(k)
                 values.append(v)
         return self._to_device(keys, values)
+
+    def _fetch(self, stored: list[PlannedChunk], index: int) -> list[bytes | CorruptEntryError | None]:
+        """Layer ``index`` of each stored chunk. A failing store recomputes them all (that is not damage)."""
+        if not stored:
+            return []
+        requests = [(c.key, c.manifest.write_id, index) for c in stored]
+        try:
+            return list(self.store.get_layers(requests))
+        except CorruptEntryError:
+            pass  # the backend refused to load one value (say, a planted pickle); find out which
+        except (StoreError, OSError) as exc:
+            # One warning for the whole read, not one per chunk: it is one failure of the store.
+            logger.warning("KV store failed to read layer %d (%s); recomputing %d stored chunks",
+                           index, exc, len(stored))
+            for c in stored:
+                self._recompute(c, str(exc), index, damaged=False, quiet=True)
+            return [None] * len(stored)
+        out: list[bytes | CorruptEntryError | None] = []
+        for chunk, request in zip(stored, requests):
+            try:
+                out.append(self.store.get_layer(*request))
+            except CorruptEntryError as exc:
+                out.append(exc)
+            except (StoreError, OSError) as exc:
+                self._recompute(chunk, str(exc), index, damaged=False)
+                out.append(None)
+        return out
 
     def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool, quiet: bool = False) -> None:
         if not quiet:

@@ -346,3 +346,20 @@ def test_entry_of_another_model_is_never_returned(engine, tmp_path, stored_promp
     assert (result.stats.cache_hits, result.stats.cache_misses) == (0, 3)
     reference = other.blend([stored[0], *other.prefill_chunks(chunk_ids), stored[-1]]).logits
     torch.testing.assert_close(result.logits, reference, **EXACT)
+
+
+def test_a_pickled_value_planted_in_the_directory_is_treated_as_corrupt(engine, disk_cache, stored_prompt,
+                                                                        chunk_ids):
+    import diskcache
+
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    store: DiskKVStore = disk_cache.store
+    manifest = decode_manifest(store.get_manifest(disk_cache.key_for(chunk_ids[0])))
+    with diskcache.Cache(str(store.path)) as raw:  # an ordinary diskcache pickles non-bytes values
+        raw.set(f"m:{disk_cache.key_for(chunk_ids[1])}", {"evil": True})
+        raw.set(f"l:{manifest.key}:{manifest.write_id}:{engine.num_layers - 1}", ["evil"] * 10_000)
+    result = engine.blend(stored, store=disk_cache)
+    disk_cache.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert disk_cache.stats().corrupt == 2
