@@ -22,10 +22,12 @@ def register(subparsers: Any) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
-    data.add_argument("--data", required=True, help="MuSiQue-format JSON: a list of {question, answers, ctxs: [{title, text}]}")
+    data.add_argument("--data", required=True,
+                      help="MuSiQue-format JSON: a list of {question, answers, ctxs: [{title, text}]}")
     data.add_argument("--n", type=int, default=None, help="use the first N questions (default: all)")
     data.add_argument("--passages", type=int, default=10, help="passages per question, each one cached chunk")
-    data.add_argument("--max-passage-tokens", type=int, default=None, help="truncate each passage's text to this many tokens")
+    data.add_argument("--max-passage-tokens", type=int, default=None,
+                      help="truncate each passage's text to this many tokens")
 
     methods = parser.add_argument_group("methods")
     methods.add_argument(
@@ -44,11 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     model.add_argument("--store", choices=("memory", "disk"), default="memory", help="where chunk KV lives")
     model.add_argument("--store-dir", default=None, help="parent directory for --store disk (default: the temp dir)")
+    model.add_argument("--storage-dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                       help="dtype chunk KV is stored in ('auto': 16-bit, the store's default)")
 
     timing = parser.add_argument_group("measurement")
     timing.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded per answer")
-    timing.add_argument("--teacher-tokens", type=int, default=16, help="tokens of full prefill's answer to teacher-force")
-    timing.add_argument("--repeats", type=int, default=1, help="warm TTFT runs per method and question (median taken)")
+    timing.add_argument("--teacher-tokens", type=int, default=16,
+                        help="tokens of full prefill's answer to teacher-force")
+    timing.add_argument("--repeats", type=int, default=1,
+                        help="warm TTFT runs per method and question (median taken)")
     timing.add_argument("--cold-examples", type=int, default=1, help="questions that also get a cold pass (empty store)")
     timing.add_argument("--throughput-requests", type=int, default=4,
                         help="requests (one per question, the first N) timed for throughput; 0 skips it")
@@ -64,10 +70,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         data=args.data, n=args.n, passages=args.passages, max_passage_tokens=args.max_passage_tokens,
         ratios=args.ratios, methods=args.methods, prefix_conditioned=args.prefix_conditioned,
-        store=args.store, store_dir=args.store_dir, max_new_tokens=args.max_new_tokens,
-        teacher_tokens=args.teacher_tokens, repeats=args.repeats, cold_examples=args.cold_examples,
-        throughput_requests=args.throughput_requests, throughput_new_tokens=args.throughput_new_tokens,
-        check_layer=args.check_layer, model=args.model, device=args.device, show_progress=not args.no_progress,
+        store=args.store, store_dir=args.store_dir, storage_dtype=args.storage_dtype,
+        max_new_tokens=args.max_new_tokens, teacher_tokens=args.teacher_tokens, repeats=args.repeats,
+        cold_examples=args.cold_examples, throughput_requests=args.throughput_requests,
+        throughput_new_tokens=args.throughput_new_tokens, check_layer=args.check_layer,
+        model=args.model, device=args.device, show_progress=not args.no_progress,
     )
 
 

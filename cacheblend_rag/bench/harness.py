@@ -49,6 +49,7 @@ from cacheblend_rag.bench.stores import ChunkStoreFactory, StoreKind
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.chunk_cache import STORAGE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class BenchConfig:
     prefix_conditioned: PrefixMode = "off"
     store: StoreKind = "memory"
     store_dir: str | None = None
+    storage_dtype: str = "auto"
     max_new_tokens: int = 32
     teacher_tokens: int = 16
     repeats: int = 1
@@ -85,6 +87,8 @@ class BenchConfig:
             raise ConfigError(f"prefix_conditioned={self.prefix_conditioned!r}; choose one of 'off', 'on', 'both'")
         if self.store not in ("memory", "disk"):
             raise ConfigError(f"store={self.store!r}; choose 'memory' or 'disk'")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"storage_dtype={self.storage_dtype!r}; choose one of {', '.join(STORAGE_DTYPES)}")
         _positive("passages", self.passages)
         _positive("max_new_tokens", self.max_new_tokens)
         _positive("teacher_tokens", self.teacher_tokens)
@@ -164,7 +168,7 @@ class BenchmarkRunner:
         self.base_blend = base
         self.variants = sorted({s.prefix_conditioned for s in self.specs if s.uses_chunk_cache})
         self.eos_ids = eos_token_ids(engine)
-        self.stores = ChunkStoreFactory(config.store, engine, config.store_dir)
+        self.stores = ChunkStoreFactory(config.store, engine, config.store_dir, config.storage_dtype)
 
     # ----------------------------------------------------------------- run
     def run(self, examples: list[MusiqueExample]) -> list[ExampleOutcome]:

@@ -19,22 +19,25 @@ def plot_speedup_vs_kl(document: dict[str, Any], path: str | Path) -> Path:
     for m in points:
         families[m["family"]].append(m)
 
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(10, 6.5), dpi=120)
+    colors = plt.get_cmap("tab20")
     for i, (family, members) in enumerate(families.items()):
         members.sort(key=lambda m: m["ratio"] or 0.0)
         xs = [m["ttft_speedup"] for m in members]
         ys = [m["quality"]["kl"] for m in members]
         marker = "^" if members[0]["prefix_conditioned"] else "o"
         ax.plot(xs, ys, marker=marker, linestyle="-" if len(members) > 1 else "none",
-                color=colors(i % 10), label=family, markersize=7)
+                color=colors(i % 20), label=family, markersize=7)
         for m, x, y in zip(members, xs, ys):
-            ax.annotate(m["name"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=7)
+            # The legend names the family; a blend's point only needs its ratio.
+            label = f"@{m['ratio']:g}" if m["kind"] == "blend" else m["name"]
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=colors(i % 20))
     ax.set_xlabel("TTFT speedup over full prefill (warm store, median)")
     ax.set_ylabel("mean teacher-forced KL(full prefill || method), nats")
     ax.set_title(_title(document), fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="method (△ prefix-conditioned)",
+              title_fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,9 @@ def load_musique(path: str | Path, n: int | None = None) -> list[MusiqueExample]
     """Read a MuSiQue-format JSON list of ``{question, answers, ctxs: [{title, text}]}``."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"--data {path}: file not found; pass a MuSiQue-format JSON file (e.g. ../shared/data/musique_dev.json)")
+        raise ConfigError(
+            f"--data {path}: file not found; pass a MuSiQue-format JSON file (e.g. ../shared/data/musique_dev.json)"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -60,7 +62,9 @@ def _parse_example(item: Any, index: int, path: Path) -> MusiqueExample:
         raise ConfigError(f"{where} is a {type(item).__name__}, expected an object with question, answers, ctxs")
     missing = [k for k in ("question", "answers", "ctxs") if k not in item]
     if missing:
-        raise ConfigError(f"{where} lacks {', '.join(missing)}; MuSiQue format is {{question, answers, ctxs: [{{title, text}}]}}")
+        raise ConfigError(
+            f"{where} lacks {', '.join(missing)}; MuSiQue format is {{question, answers, ctxs: [{{title, text}}]}}"
+        )
     answers = item["answers"]
     if isinstance(answers, str):
         answers = [answers]

@@ -102,7 +102,7 @@ def build_document(
             "dtype": str(engine.dtype).replace("torch.", ""),
         },
         "blend_config": blend_config.to_dict(),
-        "store": {"kind": config.store, "backend": store_backend},
+        "store": {"kind": config.store, "backend": store_backend, "storage_dtype": config.storage_dtype},
         "data": {
             "path": str(config.data),
             "examples": len(outcomes),

@@ -1,84 +1,74 @@
 """Chunk stores for a benchmark run: a fresh, empty :class:`ChunkCache` per question and prefix variant.
 
-A fresh store per question keeps memory bounded (SmolLM2 keeps ~46 KB of float32 KV per token;
-ten 550-token passages are ~250 MB) and makes the cold pass honest: nothing another question
-computed can be hit.
+A fresh store per question keeps memory and disk bounded (SmolLM2 keeps ~23 KB of 16-bit KV
+per token; ten 550-token passages are ~125 MB) and makes the cold pass honest: nothing
+another question computed can be hit.
 """
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store import ChunkCache
-
-logger = logging.getLogger(__name__)
+from cacheblend_rag.store import ChunkCache, DiskKVStore, KVStore, MemoryKVStore
+from cacheblend_rag.store.chunk_cache import STORAGE_DTYPES
 
 StoreKind = Literal["memory", "disk"]
-
-
-def _backend_classes() -> tuple[Any, Any]:
-    """``(MemoryKVStore, DiskKVStore)``, or ``None`` for those this install does not have."""
-    import cacheblend_rag.store as store_module
-
-    return getattr(store_module, "MemoryKVStore", None), getattr(store_module, "DiskKVStore", None)
 
 
 class ChunkStoreFactory:
     """Opens empty chunk caches on one backend kind; :meth:`close` releases everything it opened."""
 
-    def __init__(self, kind: StoreKind, engine: Any, directory: str | Path | None = None) -> None:
+    def __init__(
+        self, kind: StoreKind, engine: Any, directory: str | Path | None = None, storage_dtype: str = "auto"
+    ) -> None:
         if kind not in ("memory", "disk"):
-            raise ConfigError(f"--store {kind!r} is not supported; choose 'memory' or 'disk'")
+            raise ConfigError(f"store={kind!r} is not supported; choose 'memory' or 'disk'")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"storage_dtype={storage_dtype!r}; choose one of {', '.join(STORAGE_DTYPES)}")
         self.kind = kind
         self.engine = engine
-        memory_cls, disk_cls = _backend_classes()
-        if kind == "disk" and disk_cls is None:
-            raise ConfigError(
-                "--store disk needs cacheblend_rag.store.DiskKVStore, which this install does not have; "
-                "use --store memory"
-            )
-        self._memory_cls = memory_cls
-        self._disk_cls = disk_cls
-        self._root = Path(tempfile.mkdtemp(prefix="cacheblend-bench-", dir=directory))
+        self.storage_dtype = storage_dtype
+        self._root = Path(tempfile.mkdtemp(prefix="cacheblend-bench-", dir=directory)) if kind == "disk" else None
         self._opened = 0
-        self._stores: dict[int, tuple[Any, Path | None]] = {}
+        self._open: dict[int, tuple[ChunkCache, KVStore, Path | None]] = {}
 
     @property
     def backend_name(self) -> str:
-        cls = self._disk_cls if self.kind == "disk" else self._memory_cls
-        return cls.__name__ if cls is not None else "ChunkCache (built-in in-memory dict)"
+        return (DiskKVStore if self.kind == "disk" else MemoryKVStore).__name__
 
     def open(self, prefix_ids: Sequence[int] = ()) -> ChunkCache:
-        """A new, empty chunk cache whose chunks are precomputed behind ``prefix_ids``."""
+        """A new, empty chunk cache whose :meth:`~ChunkCache.warm` computes chunks behind ``prefix_ids``."""
         self._opened += 1
         path: Path | None = None
         if self.kind == "disk":
+            assert self._root is not None
             path = self._root / f"store-{self._opened}"
-            store = self._disk_cls(path)
+            store: KVStore = DiskKVStore(path)
         else:
-            store = self._memory_cls() if self._memory_cls is not None else None
-        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids)
-        self._stores[id(cache)] = (store, path)
+            store = MemoryKVStore()
+        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids, storage_dtype=self.storage_dtype)
+        self._open[id(cache)] = (cache, store, path)
         return cache
 
     def release(self, cache: ChunkCache) -> None:
-        """Drop one cache and its storage."""
-        store, path = self._stores.pop(id(cache), (None, None))
-        close = getattr(store, "close", None)
-        if callable(close):
-            close()
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
+        """Finish the cache's background writes, then drop it and its storage."""
+        entry = self._open.pop(id(cache), None)
+        if entry is not None:
+            self._dispose(*entry)
 
     def close(self) -> None:
-        for key in list(self._stores):
-            store, path = self._stores.pop(key)
-            close = getattr(store, "close", None)
-            if callable(close):
-                close()
-        shutil.rmtree(self._root, ignore_errors=True)
+        for key in list(self._open):
+            self._dispose(*self._open.pop(key))
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    @staticmethod
+    def _dispose(cache: ChunkCache, store: KVStore, path: Path | None) -> None:
+        cache.close()
+        store.close()
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
