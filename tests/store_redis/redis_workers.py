@@ -51,7 +51,8 @@ def replica_b(url: str, disk_path: str, prompts: list[list[str]], results) -> No
 
         engine = make_engine()
         cache = ChunkCache(engine, replica_store(url, disk_path), storage_dtype="float32")
-        answers = [answer(engine, cache, p) for p in prompts]
+        # Plain lists: a tensor sent through a queue would be shared by a file descriptor that dies with this process.
+        answers = [(logits.tolist(), *rest) for logits, *rest in (answer(engine, cache, p) for p in prompts)]
         cache.flush()
         local = sorted(DiskKVStore(disk_path).keys())  # promoted from Redis on hit
         cache.close()

@@ -1,0 +1,121 @@
+"""Faults of the shared Redis: a crash in the middle of a replica's requests, a restart, a corrupt value."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from cacheblend_rag import FreshSegment, StoredSegment
+from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store.format import decode_layer, decode_manifest, value_digest
+from cacheblend_rag.store.redis_store import RedisKVStore
+
+from redis_workers import QUESTION, corpus, replica_store  # noqa: E402
+
+
+def _segments(engine, texts):
+    return [*(StoredSegment(engine.tokenize(t)) for t in texts), FreshSegment(engine.tokenize(QUESTION))]
+
+
+def _reference(engine, texts):
+    ids = [engine.tokenize(t) for t in texts]
+    return engine.blend([*engine.prefill_chunks(ids), FreshSegment(engine.tokenize(QUESTION))]).logits
+
+
+def _warm_redis(engine, url, texts):
+    with ChunkCache(engine, RedisKVStore(url), storage_dtype="float32") as replica_a:
+        assert replica_a.warm(texts).new == len(set(texts))
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_redis_killed_mid_run_then_restarted(engine, fresh_redis_server, tmp_path, caplog):
+    server, url = fresh_redis_server, fresh_redis_server.url()
+    texts = corpus(12)
+    before, during, after = texts[0:3], [texts[3:6], texts[6:9], texts[3:9:2]], texts[9:12]
+    _warm_redis(engine, url, before + [t for p in during for t in p])
+    replica_b = ChunkCache(engine, replica_store(url, str(tmp_path / "b"), max_backoff=0.2), storage_dtype="float32")
+
+    def request(prompt):
+        result = engine.blend(_segments(engine, prompt), store=replica_b)
+        torch.testing.assert_close(result.logits, _reference(engine, prompt), rtol=0, atol=1e-5)
+        replica_b.flush()
+        return result.stats.cache_hits
+
+    assert request(before) == 3  # from Redis
+
+    server.kill()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        hits = [request(prompt) for prompt in during]
+    assert hits == [0, 0, 3]  # computed fresh; the last prompt reuses chunks B computed during the outage, locally
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "RedisKVStore" in messages[0] and "failing" in messages[0], messages
+
+    server.start()  # same port; without persistence it comes back empty, and the warm job runs again
+    _warm_redis(engine, url, after)
+    time.sleep(0.3)  # past the reconnect backoff
+    after_keys = {replica_b.key_for(engine.tokenize(t)) for t in after}
+    assert not after_keys & set(DiskKVStore(tmp_path / "b").keys())
+    assert request(after) == 3  # hits again, and from Redis: B's own tiers never had these chunks
+    assert after_keys <= set(DiskKVStore(tmp_path / "b").keys())  # promoted
+    replica_b.close()
+
+
+def test_redis_killed_in_the_middle_of_a_blend(engine, fresh_redis_server, tmp_path, caplog, monkeypatch):
+    server, url = fresh_redis_server, fresh_redis_server.url()
+    texts = corpus(3)
+    _warm_redis(engine, url, texts)
+    store = replica_store(url, str(tmp_path / "b"))
+    redis_tier = store.tiers[-1]
+    original = type(redis_tier).get_layers
+
+    def dies_after_the_manifests(self, requests):
+        server.kill()  # the manifests were read; the layers are not
+        return original(self, requests)
+
+    monkeypatch.setattr(type(redis_tier), "get_layers", dies_after_the_manifests)
+    cache = ChunkCache(engine, store, storage_dtype="float32")
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(_segments(engine, texts), store=cache)
+        cache.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, texts), rtol=0, atol=1e-5)
+    messages = _warnings(caplog)
+    assert 1 <= len(messages) <= 2 and not any("corrupt" in m for m in messages), messages  # not per layer or chunk
+    assert cache.store.tiers[1].counters()["corrupt"] == 0  # an outage is not damage: nothing was deleted
+    cache.close()
+
+
+def test_a_corrupt_value_in_redis_is_detected_recomputed_and_overwritten(engine, redis_server, redis_url, tmp_path,
+                                                                       caplog):
+    texts = corpus(3)
+    _warm_redis(engine, redis_url, texts)
+    shared = RedisKVStore(redis_url)
+    shared.bind_model(engine.fingerprint)
+    key = ChunkCache(engine, shared).key_for(engine.tokenize(texts[0]))
+    old = decode_manifest(shared.get_manifest(key))
+    value = bytearray(shared.get_layer(key, old.write_id, 2))
+    value[len(value) // 2] ^= 0xFF
+    with redis_server.client() as client:  # damage one layer on the server, as a bad write or a bit flip would
+        client.hset(f"cacheblend:{shared.namespace}:{{{key}}}", f"{old.write_id}:2", bytes(value))
+
+    replica_b = ChunkCache(engine, replica_store(redis_url, str(tmp_path / "b")), storage_dtype="float32")
+    with caplog.at_level(logging.WARNING):
+        result = engine.blend(_segments(engine, texts), store=replica_b)
+        replica_b.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, texts), rtol=0, atol=1e-5)
+    assert any("corrupt" in m for m in _warnings(caplog))
+
+    new = decode_manifest(shared.get_manifest(key))  # rewritten in Redis by B
+    assert new.write_id != old.write_id
+    for layer in range(new.num_layers):
+        blob = shared.get_layer(key, new.write_id, layer)
+        assert value_digest(blob) == new.layer_digests[layer]
+        decode_layer(blob, new.layer_shape)
+    assert shared.get_layer(key, old.write_id, 2) is None
+    assert shared.counters()["corrupt"] == 1
+    replica_b.close()
