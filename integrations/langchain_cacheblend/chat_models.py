@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -455,4 +455,4 @@ def _texts_of(items: Iterable[str | Document]) -> list[str]:
     return texts
 
 
-__all__: Sequence[str] = ["ChatCacheBlend"]
+__all__ = ["ChatCacheBlend"]
