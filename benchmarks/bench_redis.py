@@ -1,0 +1,170 @@
+"""Blend TTFT with chunk KV served from Redis on loopback (pipelined, and not) against the memory tier.
+
+    .venv/bin/python benchmarks/bench_redis.py [--chunks 8] [--repeats 5] [--url redis://:PW@host:6379/0]
+
+Prints one JSON object. Without ``--url`` a redis-server is started on 127.0.0.1 (a free
+port, a password, no persistence) and stopped at the end; with ``--url`` the benchmark
+uses that server under a prefix of its own and removes its keys afterwards.
+
+The prompt is the one of ``bench_store.py``: a MuSiQue question with ``--chunks`` of its
+passages as stored chunks (SmolLM2-135M-Instruct by default). TTFT is the median time of
+``engine.blend`` over ``--repeats`` runs after one warm-up:
+
+* ``memory_tier``: chunk KV read from a :class:`MemoryKVStore` (the same bytes, no I/O);
+* ``redis_pipelined``: every blend reads every layer from Redis, one pipelined round trip
+  per layer for all chunks, one layer ahead of the computation;
+* ``redis_no_prefetch``: the same reads, each only when the layer is needed;
+* ``full_prefill``: no cache at all, for scale.
+
+``redis_layer_read_ms`` is the time of one pipelined read of one layer of all chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench_store import DEFAULT_DATA, load_prompt, timed_blends
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="an existing Redis (default: start a local redis-server)")
+    p.add_argument("--model", default=None, help="model name or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MuSiQue JSON (question, ctxs[{title,text}])")
+    p.add_argument("--question", type=int, default=0, help="index of the MuSiQue question to use")
+    p.add_argument("--chunks", type=int, default=8, help="stored chunks in the prompt (6-10 in the issue)")
+    p.add_argument("--max-chunk-tokens", type=int, default=500, help="truncate passages to this many tokens")
+    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio")
+    p.add_argument("--repeats", type=int, default=5)
+    return p.parse_args(argv)
+
+
+class LocalRedis:
+    """A throwaway redis-server on loopback."""
+
+    def __init__(self) -> None:
+        import socket
+        import subprocess
+
+        import redis
+
+        executable = shutil.which("redis-server")
+        if executable is None:
+            raise SystemExit("redis-server is not installed (apt-get install redis-server), or pass --url")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.password = uuid.uuid4().hex
+        self.directory = tempfile.mkdtemp(prefix="bench-redis-")
+        self.process = subprocess.Popen(
+            [executable, "--bind", "127.0.0.1", "--port", str(self.port), "--requirepass", self.password,
+             "--save", "", "--appendonly", "no", "--dir", self.directory, "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("redis-server did not start") from None
+                time.sleep(0.05)
+        self.version = client.info("server")["redis_version"]
+        client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment, StoredSegment
+    from cacheblend_rag.store import ChunkCache, MemoryKVStore
+    from cacheblend_rag.store.format import decode_manifest
+    from cacheblend_rag.store.redis_store import RedisKVStore, redact_url
+
+    server = None if args.url else LocalRedis()
+    url = args.url or server.url
+    try:
+        engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                                  config=BlendConfig(recompute_ratio=args.ratio))
+        chunks, head, tail, source = load_prompt(engine, args)
+        stored = [FreshSegment(head), *(StoredSegment(c) for c in chunks), FreshSegment(tail)]
+        torch.set_grad_enabled(False)
+        report: dict = {
+            "benchmark": "redis", "model": engine.model_name, "device": str(engine.device), "dtype": str(engine.dtype),
+            "data": source, "chunks": len(chunks), "chunk_tokens": [len(c) for c in chunks],
+            "prompt_tokens": sum(len(s.token_ids) for s in stored), "recompute_ratio": args.ratio,
+            "repeats": args.repeats, "redis": redact_url(url), "redis_server": "local loopback" if server else "given",
+            "ttft": {},
+        }
+        if server:
+            report["redis_version"] = server.version
+
+        full = [t for s in stored for t in s.token_ids]
+        times = []
+        for _ in range(args.repeats + 1):
+            start = time.perf_counter()
+            engine.full_prefill(full)
+            times.append(time.perf_counter() - start)
+        report["ttft"]["full_prefill"] = {"ttft_ms": 1000 * statistics.median(times[1:])}
+
+        memory = ChunkCache(engine, MemoryKVStore())
+        memory.warm(chunks)
+        report["ttft"]["memory_tier"] = timed_blends(engine, stored, memory, args.repeats)
+
+        store = RedisKVStore(url, prefix=f"bench-{uuid.uuid4().hex[:8]}")
+        piped = ChunkCache(engine, store)
+        summary = piped.warm(chunks)
+        report["ttft"]["redis_pipelined"] = timed_blends(engine, stored, piped, args.repeats)
+        unpiped = ChunkCache(engine, store, prefetch=False)
+        report["ttft"]["redis_no_prefetch"] = timed_blends(engine, stored, unpiped, args.repeats)
+
+        keys = [piped.key_for(c) for c in chunks]
+        manifests = [decode_manifest(m) for m in store.get_manifests(keys)]
+        reads = []
+        for layer in range(engine.num_layers):
+            start = time.perf_counter()
+            store.get_layers([(k, m.write_id, layer) for k, m in zip(keys, manifests)])
+            reads.append(time.perf_counter() - start)
+        report["redis_layer_read_ms"] = 1000 * statistics.median(reads)
+        report["bytes_per_blend"] = summary.bytes_written
+        report["bytes_per_token"] = summary.bytes_written / sum(len(c) for c in chunks)
+
+        mem_ms = report["ttft"]["memory_tier"]["ttft_ms"]
+        report["redis_pipelined_over_memory"] = report["ttft"]["redis_pipelined"]["ttft_ms"] / mem_ms
+        report["redis_no_prefetch_over_memory"] = report["ttft"]["redis_no_prefetch"]["ttft_ms"] / mem_ms
+        for cache in (memory, piped, unpiped):
+            cache.flush()
+        store.clear()
+        store.close()
+        memory.close()
+    finally:
+        if server:
+            server.stop()
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
