@@ -177,8 +177,7 @@ class PipelinedKVSource(CachedKVSource):
             # One warning for the whole read, not one per chunk: it is one failure of the store.
             logger.warning("KV store failed to read layer %d (%s); recomputing %d stored chunks",
                            index, exc, len(stored))
-            for c in stored:
-                self._recompute(c, str(exc), index, damaged=False, quiet=True)
+            self._recompute_all(stored)
             return [None] * len(stored)
         out: list[bytes | CorruptEntryError | None] = []
         for chunk, request in zip(stored, requests):
@@ -191,10 +190,21 @@ class PipelinedKVSource(CachedKVSource):
                 out.append(None)
         return out
 
-    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool, quiet: bool = False) -> None:
-        if not quiet:
-            logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
-                           chunk.key[:12], index, reason)
+    def _recompute_all(self, chunks: list[PlannedChunk]) -> None:
+        """Fresh KV for ``chunks`` in one batch per prefix (the store failed; nothing is damaged)."""
+        by_prefix: dict[tuple[int, ...], list[PlannedChunk]] = {}
+        for chunk in chunks:
+            by_prefix.setdefault(chunk.segment.prefix_ids, []).append(chunk)
+        for prefix, group in by_prefix.items():
+            fresh = self.engine.prefill_chunks([c.segment.token_ids for c in group], prefix_ids=prefix)
+            for chunk, kv in zip(group, fresh):
+                chunk.fresh = kv
+        if self._stream is not None:
+            self._fresh_ready = self._mark_fresh_ready()
+
+    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool) -> None:
+        logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
+                       chunk.key[:12], index, reason)
         chunk.fresh = self.engine.prefill_chunk(chunk.segment.token_ids, prefix_ids=chunk.segment.prefix_ids)
         if self._stream is not None:
             self._fresh_ready = self._mark_fresh_ready()
