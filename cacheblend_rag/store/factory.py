@@ -6,7 +6,9 @@ spec                   store
 ``memory``             :class:`MemoryKVStore` (``memory:2GB`` bounds it)
 ``PATH``, ``disk:PATH`` :class:`DiskKVStore` at ``PATH``
 ``tiered:PATH``        :class:`TieredKVStore` of memory in front of disk at ``PATH``
-``SCHEME://...``       a backend registered for ``SCHEME`` (``redis://`` once installed)
+``tiered:PATH,SPEC``   the same, with the store ``SPEC`` behind the disk: a serving replica's
+                       ``tiered:/var/cache/kv,redis://:PASSWORD@redis:6379/0``
+``SCHEME://...``       a backend registered for ``SCHEME`` (``redis://``, ``rediss://``)
 =====================  ==========================================================
 
 Other backends plug in with :func:`register_store_scheme`; the modules named in
@@ -80,5 +82,9 @@ def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | Non
                               f"{', '.join(sorted({'file', *_SCHEMES, *_LAZY_SCHEMES}))}, or a directory path")
         return _SCHEMES[name](text, size_limit=limit, **options)
     if text.startswith("tiered:"):
-        return TieredKVStore(MemoryKVStore(), DiskKVStore(text.removeprefix("tiered:"), size_limit=limit, **options))
+        path, _, shared = text.removeprefix("tiered:").partition(",")
+        tiers = [MemoryKVStore(), DiskKVStore(path, size_limit=limit, **options)]
+        if shared:
+            tiers.append(open_store(shared))
+        return TieredKVStore(*tiers)
     return DiskKVStore(text.removeprefix("disk:"), size_limit=limit, **options)

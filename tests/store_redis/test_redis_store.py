@@ -173,3 +173,14 @@ def test_a_blend_from_redis_equals_the_blend_from_memory(engine, redis_url):
     assert stats.entries == 4 and stats.hits == 4 and stats.bytes > 0
     assert stats.details["namespace"] == model_namespace(engine.fingerprint)
     cache.close()
+
+
+def test_a_replica_chain_opens_from_one_spec(redis_url, tmp_path):
+    from cacheblend_rag.store import DiskKVStore, MemoryKVStore, TieredKVStore
+
+    store = open_store(f"tiered:{tmp_path / 'kv'},{redis_url}?prefix=app")
+    assert isinstance(store, TieredKVStore)
+    assert [type(t) for t in store.tiers] == [MemoryKVStore, DiskKVStore, RedisKVStore]
+    assert store.tiers[-1].prefix == "app"
+    store.bind_model("model-A")
+    assert store.tiers[-1].namespace == model_namespace("model-A")
