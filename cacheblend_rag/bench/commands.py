@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
 from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
+from cacheblend_rag.errors import CacheBlendError, ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     methods.add_argument("--prefix-conditioned", choices=("off", "on", "both"), default="off",
                          help="run chunk-reusing methods as written (off), all prefix-conditioned (on), or both ways")
     methods.add_argument("--check-layer", type=int, default=None, help="override BlendConfig.check_layer")
+    methods.add_argument("--blend-option", action="append", default=[], metavar="FIELD=VALUE",
+                         help="set another BlendConfig field for every method, e.g. sink_tokens=8 (repeatable)")
 
     model = parser.add_argument_group("model and store")
     model.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
@@ -74,8 +78,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens, teacher_tokens=args.teacher_tokens, repeats=args.repeats,
         cold_examples=args.cold_examples, throughput_requests=args.throughput_requests,
         throughput_new_tokens=args.throughput_new_tokens, check_layer=args.check_layer,
+        blend_options=parse_blend_options(args.blend_option),
         model=args.model, device=args.device, show_progress=not args.no_progress,
     )
+
+
+def parse_blend_options(items: list[str]) -> dict[str, Any]:
+    """``["sink_tokens=8", "mask=bottom_right"]`` -> typed values (JSON literals, else strings)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--blend-option {item!r}: write FIELD=VALUE, e.g. --blend-option sink_tokens=8")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        options[name.strip()] = value
+    return options
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -83,8 +103,11 @@ def run_command(args: argparse.Namespace) -> int:
     from cacheblend_rag.bench.plot import plot_speedup_vs_kl
     from cacheblend_rag.bench.report import describe_run, markdown_table, write_json
 
-    config = config_from_args(args)
-    document = run_benchmark(config)
+    try:
+        document = run_benchmark(config_from_args(args))
+    except CacheBlendError as exc:  # bad options or data: say what is wrong, no traceback
+        print(f"cacheblend-rag bench: error: {exc}", file=sys.stderr)
+        return 2
     print(describe_run(document))
     print()
     print(markdown_table(document))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,8 @@ class BenchConfig:
     throughput_requests: int = 4
     throughput_new_tokens: int = 32
     check_layer: int | None = None
+    # Other BlendConfig fields for every method, e.g. {"sink_tokens": 8}; ratio and selection come per method.
+    blend_options: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     device: str | None = None
     show_progress: bool = True
@@ -101,11 +103,19 @@ class BenchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 0 (0 skips that measurement)")
+        allowed = {f.name for f in fields(BlendConfig)} - {"recompute_ratio", "selection"}
+        unknown = sorted(set(self.blend_options) - allowed)
+        if unknown:
+            raise ConfigError(
+                f"blend option(s) {unknown} are not BlendConfig fields a run can set; allowed: {sorted(allowed)} "
+                "(ratio and selection are given per method by --methods and --ratios)"
+            )
         if self.max_new_tokens < self.teacher_tokens:
             raise ConfigError(
                 f"max_new_tokens={self.max_new_tokens} is below teacher_tokens={self.teacher_tokens}: full prefill's "
                 "answer must be at least as long as the teacher-forced span; raise --max-new-tokens"
             )
+        self.method_specs()  # a bad --methods fails here, before a model is loaded
 
     def method_specs(self) -> tuple[list[MethodSpec], list[MethodSpec]]:
         specs, added = with_references(parse_methods(self.methods, self.ratios, self.prefix_conditioned))
@@ -164,6 +174,8 @@ class BenchmarkRunner:
         base = engine.config
         if config.check_layer is not None:
             base = base.with_overrides(check_layer=config.check_layer)
+        if config.blend_options:
+            base = base.with_overrides(**config.blend_options)
         base.validate_for_model(engine.num_layers)
         self.base_blend = base
         self.variants = sorted({s.prefix_conditioned for s in self.specs if s.uses_chunk_cache})

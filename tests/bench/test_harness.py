@@ -145,3 +145,18 @@ def test_cli_end_to_end(engine, musique_file, tmp_path, capsys):
 def test_config_errors_name_the_field(overrides, message, musique_file):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         BenchConfig(data=str(musique_file), **overrides)
+
+
+def test_blend_options_reach_the_blend_config(engine, musique_file):
+    from cacheblend_rag.bench.commands import parse_blend_options
+
+    options = parse_blend_options(["sink_tokens=2", "mask=bottom_right"])
+    assert options == {"sink_tokens": 2, "mask": "bottom_right"}
+    config = BenchConfig(data=str(musique_file), n=1, passages=2, ratios="0.5", methods="sink_aware",
+                         blend_options=options, cold_examples=0, **FAST)
+    document = run_benchmark(config, engine=engine)
+    assert document["blend_config"]["sink_tokens"] == 2 and document["blend_config"]["mask"] == "bottom_right"
+    with pytest.raises(ConfigError, match="not BlendConfig fields"):
+        BenchConfig(data=str(musique_file), blend_options={"recompute_ratio": 0.2})
+    with pytest.raises(ConfigError, match="FIELD=VALUE"):
+        parse_blend_options(["sink_tokens"])
