@@ -29,7 +29,7 @@ import json
 import math
 import struct
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -60,19 +60,27 @@ def storable_dtypes() -> tuple[str, ...]:
 # ----------------------------------------------------------------- tensors
 def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
     """Bytes of ``tensor`` (converted to ``dtype`` first, if given) in the layer format."""
-    t = tensor.detach()
-    if dtype is not None:
-        t = t.to(dtype)
-    if t.dtype not in _DTYPE_CODES:
-        raise TypeError(f"cannot store a {t.dtype} tensor; storable dtypes are {', '.join(storable_dtypes())}")
-    if t.dim() > MAX_NDIM:
-        raise ValueError(f"cannot store a tensor with {t.dim()} dimensions; at most {MAX_NDIM} are supported")
-    t = t.to("cpu").contiguous()
-    payload = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    header = _FIXED.pack(LAYER_MAGIC, FORMAT_VERSION, _DTYPE_CODES[t.dtype], t.dim())
-    header += struct.pack(f"<{t.dim()}I", *t.shape) + _LENGTH.pack(len(payload))
-    body = header + payload
-    return body + _digest(body)
+    return _encode_parts([tensor], tuple(tensor.shape), dtype)
+
+
+def _encode_parts(parts: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype | None) -> bytes:
+    """One value whose payload is ``parts`` laid end to end (as if stacked), without copying them together."""
+    dtype = dtype or parts[0].dtype
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"cannot store a {dtype} tensor; storable dtypes are {', '.join(storable_dtypes())}")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"cannot store a tensor with {len(shape)} dimensions; at most {MAX_NDIM} are supported")
+    payloads = []
+    for part in parts:
+        t = part.detach().to(dtype).to("cpu").contiguous()
+        payloads.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    nbytes = sum(len(p) for p in payloads)
+    header = _FIXED.pack(LAYER_MAGIC, FORMAT_VERSION, _DTYPE_CODES[dtype], len(shape))
+    header += struct.pack(f"<{len(shape)}I", *shape) + _LENGTH.pack(nbytes)
+    h = hashlib.blake2b(header, digest_size=DIGEST_SIZE)
+    for p in payloads:
+        h.update(p)
+    return b"".join([header, *payloads, h.digest()])
 
 
 def decode_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -122,7 +130,7 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype | 
     """One layer of one chunk: ``keys`` and ``values`` are ``[kv_heads, n, head_dim]``."""
     if keys.shape != values.shape:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the same shape")
-    return encode_tensor(torch.stack([keys.to(dtype or keys.dtype), values.to(dtype or keys.dtype)]))
+    return _encode_parts([keys, values], (2, *keys.shape), dtype)
 
 
 def decode_layer(

@@ -145,3 +145,12 @@ def test_any_single_byte_change_of_a_manifest_is_detected(data):
 def test_value_digest_is_the_trailing_checksum():
     blob = _valid_blob()
     assert value_digest(blob) == blob[-DIGEST_SIZE:].hex()
+
+
+def test_scalars_and_non_contiguous_views_round_trip():
+    assert decode_tensor(encode_tensor(torch.tensor(3.0))).item() == 3.0
+    view = torch.randn(4, 5).t()[1:3]
+    assert torch.equal(decode_tensor(encode_tensor(view)), view)
+    k, v = torch.randn(5, 2, 4).transpose(0, 1), torch.randn(2, 5, 4)
+    k2, v2 = decode_layer(encode_layer(k, v))
+    assert torch.equal(k2, k) and torch.equal(v2, v)
