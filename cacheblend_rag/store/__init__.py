@@ -10,10 +10,11 @@ from cacheblend_rag.store.disk import DiskKVStore
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store, parse_size, register_store_scheme
 from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.loader import PipelinedKVSource
 from cacheblend_rag.store.memory import MemoryKVStore
 from cacheblend_rag.store.tiered import TieredKVStore
 
 __all__ = [
-    "ChunkCache", "CorruptEntryError", "DiskKVStore", "KVStore", "MemoryKVStore", "StoreError", "StoreStats",
-    "TieredKVStore", "WarmSummary", "chunk_key", "open_store", "parse_size", "register_store_scheme",
+    "ChunkCache", "CorruptEntryError", "DiskKVStore", "KVStore", "MemoryKVStore", "PipelinedKVSource", "StoreError",
+    "StoreStats", "TieredKVStore", "WarmSummary", "chunk_key", "open_store", "parse_size", "register_store_scheme",
 ]
