@@ -137,7 +137,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown_table(document: dict[str, Any]) -> str:
     """One row per method: speed (warm TTFT, speedup, cold TTFT, decode, throughput), then quality."""
     columns = [
-        "method", "TTFT median (s)", "TTFT p90 (s)", "speedup", "cold TTFT (s)", "decode tok/s", "req/s",
+        "method", "TTFT median (s)", "TTFT p90 (s)", "speedup", "cold TTFT (s)", "precompute ms/chunk",
+        "decode tok/s", "req/s",
         "F1", "KL", "top-1", "recovery", "EM vs full", "worse than full reuse",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
@@ -151,6 +152,7 @@ def markdown_table(document: dict[str, Any]) -> str:
             _fmt(m["ttft_s"]["p90"], ".3f"),
             "–" if speedup is None else f"{speedup:.2f}x",
             _fmt(m["cold_ttft_s"], ".3f"),
+            _fmt((m["precompute"] or {}).get("ms_per_chunk"), ".0f"),
             _fmt(m["decode_tokens_per_s"], ".1f"),
             _fmt(m["throughput_rps"], ".3f"),
             _fmt(q["f1"], ".3f"),
