@@ -363,3 +363,21 @@ def test_a_pickled_value_planted_in_the_directory_is_treated_as_corrupt(engine, 
     disk_cache.flush()
     torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
     assert disk_cache.stats().corrupt == 2
+
+
+def test_cache_opens_a_store_from_a_spec_and_closes_what_it_opened(engine, tmp_path, chunk_ids):
+    with ChunkCache(engine, f"disk:{tmp_path / 'kv'}", batch_size=2) as cache:
+        assert isinstance(cache.store, DiskKVStore)
+        assert cache.warm(TEXTS).new == 3
+    assert ChunkCache(engine, str(tmp_path / "kv")).contains(chunk_ids[0])
+    with pytest.raises(ConfigError, match="batch_size"):
+        ChunkCache(engine, batch_size=0)
+
+
+def test_closing_a_source_early_cancels_its_read_ahead(engine, disk_cache, chunk_ids):
+    disk_cache.warm(TEXTS)
+    source, hits, misses = disk_cache.open_source(engine, [StoredSegment(ids) for ids in chunk_ids])
+    assert isinstance(source, PipelinedKVSource) and (hits, misses) == (3, 0)
+    source.layer(0)
+    source.close()
+    assert source._executor is None and not source._futures
