@@ -7,7 +7,13 @@ from cacheblend_rag.errors import CacheBlendError
 
 
 class StoreError(CacheBlendError, OSError):
-    """A store could not be reached, read or written (missing permission, full disk, server down)."""
+    """A store could not be reached, read or written (missing permission, full disk, server down).
+
+    ``warned`` is true when the store has already logged a warning about this failure, so
+    callers that handle it need not warn again (one warning per outage, not per request).
+    """
+
+    warned: bool = False
 
 
 class CorruptEntryError(CacheBlendError, ValueError):

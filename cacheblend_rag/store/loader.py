@@ -174,9 +174,9 @@ class PipelinedKVSource(CachedKVSource):
         except CorruptEntryError:
             pass  # the backend refused to load one value (say, a planted pickle); find out which
         except (StoreError, OSError) as exc:
-            # One warning for the whole read, not one per chunk: it is one failure of the store.
-            logger.warning("KV store failed to read layer %d (%s); recomputing %d stored chunks",
-                           index, exc, len(stored))
+            # One warning for the whole read, not one per chunk (none if the store warned already).
+            log = logger.info if getattr(exc, "warned", False) else logger.warning
+            log("KV store failed to read layer %d (%s); recomputing %d stored chunks", index, exc, len(stored))
             self._recompute_all(stored)
             return [None] * len(stored)
         out: list[bytes | CorruptEntryError | None] = []

@@ -87,7 +87,9 @@ class TieredKVStore(KVStore):
         found = self._batched(requests, lambda t, asked: t.get_layers(asked),
                               lambda t, request, data: t.put_layer(*request, data))
         if found is None:
-            raise StoreError(f"a tier of {self.describe()} that may hold the layers asked for is failing")
+            error = StoreError(f"a tier of {self.describe()} that may hold the layers asked for is failing")
+            error.warned = True  # _call warned when the tier started failing
+            raise error
         return found
 
     def get_manifests(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -85,6 +85,7 @@ def test_redis_killed_in_the_middle_of_a_blend(engine, fresh_redis_server, tmp_p
         cache.flush()
     torch.testing.assert_close(result.logits, _reference(engine, texts), rtol=0, atol=1e-5)
     messages = _warnings(caplog)
+    print(messages)
     assert 1 <= len(messages) <= 2 and not any("corrupt" in m for m in messages), messages  # not per layer or chunk
     assert cache.store.tiers[1].counters()["corrupt"] == 0  # an outage is not damage: nothing was deleted
     cache.close()
