@@ -60,7 +60,8 @@ _ANY_NAMESPACE = "*"
 _SCAN_BATCH = 500
 
 # Errors after which the server is presumed down (not reachable, timing out, restarting, loading).
-_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError,
+                redis.exceptions.RedisClusterException, OSError)
 
 # KEYS[1] chunk hash; ARGV: field, value, pending expiry in seconds.
 _PUT_LAYER = """
@@ -82,6 +83,14 @@ redis.call('HSET', KEYS[1], 'm', ARGV[1])
 local ttl = tonumber(ARGV[2])
 if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) else redis.call('PERSIST', KEYS[1]) end
 return 1
+"""
+
+
+# KEYS[1] chunk hash. Returns 1 if the chunk had a manifest.
+_DELETE = """
+local had = redis.call('HEXISTS', KEYS[1], 'm')
+redis.call('UNLINK', KEYS[1])
+return had
 """
 
 
@@ -129,8 +138,11 @@ class RedisKVStore(KVStore):
     attempts while the server is down. ``check_connection=False`` starts without reaching the
     server (a replica may start while Redis is down; calls fail over until it is up).
 
-    The URL may carry ``prefix``, ``namespace`` and ``ttl`` as query parameters, next to
-    redis-py's own (``socket_timeout``, ``ssl_cert_reqs``, ...), e.g.
+    ``cluster=True`` talks to a Redis Cluster through any of its nodes (a cluster client must
+    reach a node at construction).
+
+    The URL may carry ``prefix``, ``namespace``, ``ttl`` and ``cluster`` as query parameters,
+    next to redis-py's own (``socket_timeout``, ``ssl_cert_reqs``, ...), e.g.
     ``redis://:secret@cache:6379/0?prefix=myapp&ttl=86400``.
     """
 
@@ -146,12 +158,18 @@ class RedisKVStore(KVStore):
         connect_timeout: float = 1.0,
         max_backoff: float = 30.0,
         check_connection: bool = True,
+        cluster: bool = False,
     ) -> None:
         super().__init__()
         url, options = self._split_url(url)
         prefix = options.pop("prefix", prefix) or DEFAULT_PREFIX
         namespace = options.pop("namespace", namespace)
         ttl = options.pop("ttl", ttl)
+        cluster = options.pop("cluster", cluster)
+        if isinstance(cluster, str):
+            if cluster.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ConfigError(f"cluster={cluster!r} must be true or false")
+            cluster = cluster.lower() in ("true", "1", "yes")
         for name, value in (("prefix", prefix), ("namespace", namespace)):
             if value is not None and (not value or any(c in value for c in ":{}*?[] ")):
                 raise ConfigError(f"{name}={value!r} must be a non-empty name without ':', braces, spaces "
@@ -162,15 +180,21 @@ class RedisKVStore(KVStore):
         self.ttl = None if ttl in (None, "", "0", 0) else int(_positive_number("ttl", ttl))
         self.pending_ttl = int(_positive_number("pending_ttl", pending_ttl))
         self.max_backoff = _positive_number("max_backoff", max_backoff)
+        self.cluster = bool(cluster)
+        client_class = redis.RedisCluster if self.cluster else redis.Redis
         try:
             # No retries inside redis-py except one immediate reconnect (a pooled connection
             # that died with a server restart); waiting is this store's backoff, not the request's.
-            self._client = redis.Redis.from_url(
+            self._client = client_class.from_url(
                 url + (("?" + urlencode(options)) if options else ""),
                 socket_timeout=_positive_number("socket_timeout", socket_timeout),
                 socket_connect_timeout=_positive_number("connect_timeout", connect_timeout),
                 retry=Retry(NoBackoff(), 1), decode_responses=False,
             )
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            # A cluster client reaches its nodes at construction already.
+            self._client = None
+            self._raise_connect_error(exc)
         except (ValueError, TypeError) as exc:
             raise ConfigError(
                 f"Redis URL {redact_url(url)!r} is not valid: {exc}. Write redis://[[user]:password@]host[:port][/db] "
@@ -178,6 +202,7 @@ class RedisKVStore(KVStore):
             ) from None
         self._put_layer = self._client.register_script(_PUT_LAYER)
         self._add_manifest = self._client.register_script(_ADD_MANIFEST)
+        self._delete = self._client.register_script(_DELETE)
         self._backoff = ExponentialBackoff(cap=self.max_backoff, base=0.25)
         self._health_lock = threading.Lock()
         self._failures = 0
@@ -206,30 +231,34 @@ class RedisKVStore(KVStore):
     # ---------------------------------------------------------- connection
     def ping(self) -> None:
         """Reach the server now; raises :class:`ConfigError` for rejected credentials, else :class:`StoreError`."""
-        where = redact_url(self.url)
         try:
             self._client.ping()
-        except TypeError as exc:  # redis-py passes unknown URL query parameters on to the connection
+        except (TypeError, redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            self._raise_connect_error(exc)
+        self._mark_up()
+
+    def _raise_connect_error(self, exc: BaseException) -> None:
+        where = redact_url(self.url)
+        message = str(exc)
+        if isinstance(exc, TypeError):  # redis-py passes unknown URL query parameters on to the connection
             raise ConfigError(f"Redis URL {where!r} has an option redis-py does not know ({exc}); this store adds "
-                              "prefix, namespace and ttl to redis-py's own (socket_timeout, ssl_cert_reqs, ...)"
-                              ) from None
-        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError) as exc:
+                              "prefix, namespace, ttl and cluster to redis-py's own (socket_timeout, "
+                              "ssl_cert_reqs, ...)") from None
+        auth_failed = isinstance(exc, (redis.exceptions.AuthenticationError,
+                                       redis.exceptions.AuthenticationWrongNumberOfArgsError))
+        if auth_failed or any(word in message.lower() for word in ("noauth", "wrongpass", "invalid password",
+                                                                    "invalid username-password", "authenticat")):
             if urlsplit(self.url).password is None:
                 raise ConfigError(f"Redis at {where} requires a password ({exc}); write redis://:PASSWORD@host:port/0 "
                                   "(or redis://USER:PASSWORD@... for an ACL user)") from None
             raise ConfigError(f"Redis at {where} rejected the credentials ({exc}). Put the right password in the "
                               "URL (redis://:PASSWORD@host:port/0, or redis://USER:PASSWORD@... for an ACL user)"
                               ) from None
-        except redis.exceptions.ResponseError as exc:
-            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                raise ConfigError(f"Redis at {where} needs a password ({exc}); write redis://:PASSWORD@host:port/0"
-                                  ) from None
+        if isinstance(exc, redis.exceptions.ResponseError):
             raise StoreError(f"Redis at {where} answered PING with an error: {exc}") from None
-        except _UNAVAILABLE as exc:
-            raise StoreError(f"cannot reach Redis at {where}: {exc}. Check the host and port, that the server "
-                             "runs, and that TLS (rediss://) matches the server; or pass check_connection=False "
-                             "to start while it is down") from None
-        self._mark_up()
+        raise StoreError(f"cannot reach Redis at {where}: {exc}. Check the host and port, that the server "
+                         "runs, and that TLS (rediss://) matches the server; or pass check_connection=False "
+                         "to start while it is down") from None
 
     def _mark_up(self) -> None:
         if self._failures:
@@ -346,11 +375,7 @@ class RedisKVStore(KVStore):
     def delete(self, key: str) -> bool:
         name = self._hash(key)
         with self._io("delete a chunk"):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.hexists(name, MANIFEST_FIELD)
-            pipe.unlink(name)
-            existed, _ = pipe.execute()
-        return bool(existed)
+            return bool(self._delete(keys=[name]))
 
     def _chunk_hashes(self) -> Iterator[bytes]:
         """Names of the chunk hashes in scope (with or without a manifest)."""

@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag import BlendConfig
 
-from redis_server import RedisServer  # noqa: E402  (tests/store_redis is on sys.path under pytest)
+from redis_server import RedisClusterServers, RedisServer  # noqa: E402  (tests/store_redis is on sys.path under pytest)
 
 
 def _require_redis_server() -> None:
@@ -40,6 +40,18 @@ def fresh_redis_server(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A three-master Redis Cluster for the session."""
+    _require_redis_server()
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process; ``kill`` crashes it, ``start`` brings it back on the same port (empty)."""
 
-    def __init__(self, directory: Path, password: str = PASSWORD) -> None:
+    def __init__(self, directory: Path, password: str = PASSWORD, extra_args: tuple[str, ...] = ()) -> None:
         self.executable = shutil.which("redis-server")
         if self.executable is None:
             raise FileNotFoundError("redis-server is not installed; `make test` installs it "
@@ -30,6 +30,7 @@ class RedisServer:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.password = password
+        self.extra_args = extra_args
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 
@@ -43,7 +44,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [self.executable, "--bind", "127.0.0.1", "--port", str(self.port), "--requirepass", self.password,
              "--save", "", "--appendonly", "no", "--dir", str(self.directory),
-             "--logfile", str(self.directory / "redis.log"), "--daemonize", "no"],
+             "--logfile", str(self.directory / "redis.log"), "--daemonize", "no", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout
@@ -75,3 +76,40 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait(timeout=10)
             self.process = None
+
+
+class RedisClusterServers:
+    """Three masters of a Redis Cluster on loopback (no replicas), each slot range on one of them."""
+
+    def __init__(self, directory: Path, password: str = PASSWORD) -> None:
+        self.password = password
+        self.nodes = [
+            RedisServer(Path(directory) / f"node{i}", password,
+                        ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--masterauth", password,
+                         "--cluster-port", str(free_port())))  # the default (port + 10000) may not exist
+            for i in range(3)
+        ]
+
+    def url(self, password: str | None = None) -> str:
+        return self.nodes[0].url(password) + "?cluster=true"
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterServers":
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli is not installed (it comes with the redis-server package)")
+        subprocess.run([cli, "-a", self.password, "--no-auth-warning", "--cluster", "create",
+                        *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        with self.nodes[0].client() as client:
+            while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
