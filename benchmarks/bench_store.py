@@ -5,7 +5,8 @@
 Prints one JSON object. The prompt is a MuSiQue question with ``--chunks`` of its passages
 (about 300-500 SmolLM2 tokens each) as stored chunks. TTFT is the time of ``engine.blend``
 (store lookups, loading, recompute, first-token logits), the median of ``--repeats`` runs
-after one warm-up. Before every disk run the store's files are dropped from the OS page
+after one warm-up; the modes take turns, so load changes on the machine touch all alike.
+For reference it also times blending from ChunkKV tensors already in memory, and full prefill. Before every disk run the store's files are dropped from the OS page
 cache (``posix_fadvise(DONTNEED)``), so disk means disk, not memory; ``--keep-page-cache``
 measures the warm-page-cache case instead.
 
@@ -77,24 +78,47 @@ def drop_page_cache(path: Path) -> None:
                 os.close(fd)
 
 
-def timed_blends(engine, segments, store, repeats, before=None) -> dict:
-    engine.blend(segments, store=store)  # warm-up (also runs the one-time correctness gate)
-    if hasattr(store, "flush"):
-        store.flush()
-    times, waits = [], []
-    for _ in range(repeats):
-        if before:
-            before()
+class Mode:
+    """One way of serving the prompt: segments, the store they come from, and what to do before each run."""
+
+    def __init__(self, engine, segments, store=None, before=None, full_prefill: bool = False) -> None:
+        self.engine, self.segments, self.store, self.before = engine, segments, store, before
+        self.full_prefill = full_prefill
+        self.times: list[float] = []
+        self.waits: list[float] = []
+        self.hits = self.misses = 0
+
+    def run(self, record: bool = True) -> None:
+        if self.before:
+            self.before()
         start = time.perf_counter()
-        result = engine.blend(segments, store=store)
+        if self.full_prefill:
+            result = self.engine.full_prefill([t for s in self.segments for t in s.token_ids])
+        else:
+            result = self.engine.blend(self.segments, store=self.store)
         int(result.logits.argmax())
-        times.append(time.perf_counter() - start)
-        waits.append(result.stats.timings.get("load_wait", 0.0))
-        if hasattr(store, "flush"):
-            store.flush()
-    return {"ttft_ms": 1000 * statistics.median(times), "ttft_ms_all": [round(1000 * t, 2) for t in times],
-            "load_wait_ms": 1000 * statistics.median(waits),
-            "hits": result.stats.cache_hits, "misses": result.stats.cache_misses}
+        elapsed = time.perf_counter() - start
+        if hasattr(self.store, "flush"):
+            self.store.flush()  # background write-backs and counters, outside the timed region
+        if record:
+            self.times.append(elapsed)
+            self.waits.append(result.stats.timings.get("load_wait", 0.0))
+            self.hits, self.misses = result.stats.cache_hits, result.stats.cache_misses
+
+    def summary(self) -> dict:
+        return {"ttft_ms": 1000 * statistics.median(self.times), "ttft_ms_all": [round(1000 * t, 2) for t in self.times],
+                "load_wait_ms": 1000 * statistics.median(self.waits), "hits": self.hits, "misses": self.misses}
+
+
+def run_interleaved(modes: dict[str, Mode], repeats: int) -> dict[str, dict]:
+    """One warm-up each (it also runs the one-time correctness gate), then the modes take turns,
+    so that a change in machine load during the run touches every mode alike."""
+    for mode in modes.values():
+        mode.run(record=False)
+    for _ in range(repeats):
+        for mode in modes.values():
+            mode.run()
+    return {name: mode.summary() for name, mode in modes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,31 +141,24 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "store", "model": engine.model_name, "device": str(engine.device), "dtype": str(engine.dtype),
         "data": source, "chunks": len(chunks), "chunk_tokens": [len(c) for c in chunks], "prompt_tokens": n_tokens,
         "recompute_ratio": args.ratio, "repeats": args.repeats, "page_cache": "kept" if args.keep_page_cache else "dropped",
-        "ttft": {},
     }
-
-    # Reference points: chunk KV already in memory as tensors, and no cache at all.
-    in_memory = [FreshSegment(head), *engine.prefill_chunks(chunks), FreshSegment(tail)]
-    report["ttft"]["chunkkv_tensors"] = timed_blends(engine, in_memory, None, args.repeats)
-    full = [t for s in stored for t in s.token_ids]
-    times = []
-    for _ in range(args.repeats + 1):
-        start = time.perf_counter()
-        engine.full_prefill(full)
-        times.append(time.perf_counter() - start)
-    report["ttft"]["full_prefill"] = {"ttft_ms": 1000 * statistics.median(times[1:])}
 
     memory = ChunkCache(engine, MemoryKVStore())
     memory.warm(chunks)
-    report["ttft"]["memory_tier"] = timed_blends(engine, stored, memory, args.repeats)
-
     disk_path = root / "disk16"
     disk = ChunkCache(engine, DiskKVStore(disk_path))
     summary16 = disk.warm(chunks)
-    drop = None if args.keep_page_cache else (lambda: drop_page_cache(disk_path))
-    report["ttft"]["disk_pipelined"] = timed_blends(engine, stored, disk, args.repeats, drop)
     unpiped = ChunkCache(engine, disk.store, prefetch=False)
-    report["ttft"]["disk_no_prefetch"] = timed_blends(engine, stored, unpiped, args.repeats, drop)
+    drop = None if args.keep_page_cache else (lambda: drop_page_cache(disk_path))
+    modes = {
+        # Reference points: chunk KV already in memory as tensors, and no cache at all.
+        "chunkkv_tensors": Mode(engine, [FreshSegment(head), *engine.prefill_chunks(chunks), FreshSegment(tail)]),
+        "full_prefill": Mode(engine, stored, full_prefill=True),
+        "memory_tier": Mode(engine, stored, memory),
+        "disk_pipelined": Mode(engine, stored, disk, drop),
+        "disk_no_prefetch": Mode(engine, stored, unpiped, drop),
+    }
+    report["ttft"] = run_interleaved(modes, args.repeats)
 
     disk32 = ChunkCache(engine, DiskKVStore(root / "disk32"), storage_dtype="float32")
     summary32 = disk32.warm(chunks)
