@@ -35,8 +35,6 @@ def writer(path: str, texts: list[str], barrier, results) -> None:
 
 def reader(path: str, texts: list[str], rounds: int, seed: int, barrier, results) -> None:
     try:
-        import torch
-
         from cacheblend_rag import FreshSegment, StoredSegment
         from cacheblend_rag.store import ChunkCache, DiskKVStore
 
