@@ -46,6 +46,8 @@ def fresh_redis_server(tmp_path):
 def redis_cluster(tmp_path_factory):
     """A three-master Redis Cluster for the session."""
     _require_redis_server()
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed; it comes with the redis-server package (`make test` installs it)")
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
     try:
         cluster.start()

@@ -58,3 +58,20 @@ def test_bad_shards_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="I/N"):
         parse_shard(text)
     assert parse_shard("3/4") == (3, 4)
+
+
+def test_cache_stats_and_clear_of_a_redis_store(engine, redis_server, redis_url, tmp_path, capsys, monkeypatch):
+    from cacheblend_rag.engine import CacheBlendEngine
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(lambda cls, *a, **k: engine))
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(corpus(3)))
+    assert main(["warm", "--store", redis_url, "--no-progress", str(docs)]) == 0
+    assert json.loads(capsys.readouterr().out)["new"] == 3
+    assert main(["cache", "stats", "--store", redis_url, "--json"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out)
+    assert stats["entries"] == 3 and stats["bytes"] > 0
+    assert redis_server.password not in out and ":***@" in stats["details"]["url"]  # never print the password
+    assert main(["cache", "clear", "--store", redis_url]) == 0
+    assert "cleared 3 entries" in capsys.readouterr().out
