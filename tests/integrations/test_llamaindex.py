@@ -468,18 +468,25 @@ def test_bad_configuration_does_not_load_the_model(monkeypatch):
 # ------------------------------------------------------------------- demo
 def test_demo_pipeline_with_a_tiny_model(llm, embed_model, tmp_path, capsys):
     from cacheblend_rag.data import load_demo_questions
-    from cacheblend_rag.demo import ask, build_faiss_index, demo_documents, minilm_folder, plot_comparison, print_comparison
+    from cacheblend_rag.demo import (
+        MostRelevantLast, ask, build_faiss_index, demo_documents, minilm_folder, plot_comparison, print_comparison,
+    )
 
     assert (minilm_folder() / "config.json").is_file()
     index = build_faiss_index(llm, embed_model, demo_documents(), show_progress=False)
     assert len(index.docstore.docs) == 20
     baseline = CacheBlendLLM.from_engine(llm.engine, reuse_chunk_kv=False, max_new_tokens=6)
-    blended_engine = query_engine(index, llm, similarity_top_k=3)
+    blended_engine = index.as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[MostRelevantLast(), CacheBlendNodePostprocessor(llm=llm)]
+    )
     full_engine = index.as_query_engine(llm=baseline, similarity_top_k=3)
     item = load_demo_questions()[0]
     pairs = [(ask(blended_engine, llm, item), ask(full_engine, baseline, item))]
     assert pairs[0][0].mode == "blend" and pairs[0][0].cache_hits == 3 and pairs[0][0].cache_misses == 0
     assert pairs[0][1].mode == "full_prefill"
+    retrieved = index.as_retriever(similarity_top_k=3).retrieve(item.question)
+    best = max(retrieved, key=lambda n: n.score).node.get_content(metadata_mode=MetadataMode.LLM).strip()
+    assert llm._announced.latest()[-1] == best  # most relevant chunk last, next to the question
     print_comparison(pairs)
     assert "mean TTFT: CacheBlend" in capsys.readouterr().out
     assert plot_comparison(pairs, tmp_path / "chart.png").stat().st_size > 0
