@@ -224,7 +224,8 @@ class RedisKVStore(KVStore):
         try:
             parts.port
         except ValueError:
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535") from None
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535"
+                              ) from None
         options = dict(parse_qsl(parts.query))
         return urlunsplit(parts._replace(query="")), options
 
