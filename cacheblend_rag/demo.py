@@ -100,10 +100,11 @@ def build_faiss_index(
 
 
 class MostRelevantLast(BaseNodePostprocessor):
-    """Order the retrieved nodes from least to most relevant.
+    """Reverse the retriever's order (most relevant first) so the most relevant chunk comes last.
 
     A model this small attends mostly to the text nearest the question, so the best chunk
-    goes there. (It also shows CacheBlendNodePostprocessor working after a reordering step.)
+    goes there. The order, not the score, is used: with FAISS ``IndexFlatL2`` the score is a
+    distance. (It also shows CacheBlendNodePostprocessor working after a reordering step.)
     """
 
     @classmethod
@@ -113,7 +114,7 @@ class MostRelevantLast(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        return sorted(nodes, key=lambda n: n.score if n.score is not None else 0.0)
+        return list(reversed(nodes))
 
 
 @dataclass
