@@ -160,3 +160,26 @@ def test_blend_options_reach_the_blend_config(engine, musique_file):
         BenchConfig(data=str(musique_file), blend_options={"recompute_ratio": 0.2})
     with pytest.raises(ConfigError, match="FIELD=VALUE"):
         parse_blend_options(["sink_tokens"])
+
+
+def test_prefix_caching_request_reproduces_full_prefill(engine):
+    import torch
+
+    from cacheblend_rag.bench.requests import FullPrefillRequest, PrefixCachingRequest
+
+    ids = engine.tokenize("Paris is the capital of France. The quick brown fox jumps over the lazy dog.")
+    full = engine.full_prefill(ids)
+    prefix = FullPrefillRequest(engine, ids[:7]).prefill()
+    request = PrefixCachingRequest(engine, ids, 7, prefix)
+    out = request.prefill()
+    assert torch.allclose(out.logits, full.logits, atol=1e-4)
+    assert out.cache.get_seq_length() == len(ids)
+    for layer in range(engine.num_layers):
+        assert torch.allclose(out.cache.layers[layer].keys, full.cache.layers[layer].keys, atol=1e-4)
+        assert torch.allclose(out.cache.layers[layer].values, full.cache.layers[layer].values, atol=1e-4)
+    # The model's own forward (used without an adapter) agrees, and neither touches the shared prefix.
+    fallback_logits, _ = request._model_forward(prefix.cache)
+    assert torch.allclose(fallback_logits, full.logits, atol=1e-4)
+    assert prefix.cache.get_seq_length() == 7
+    cold = PrefixCachingRequest(engine, ids, 7, None).prefill()
+    assert torch.allclose(cold.logits, full.logits, atol=1e-4)
