@@ -104,9 +104,10 @@ class KVSourceProvider(Protocol):
     """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
 
     def open_source(
-        self, engine: "CacheBlendEngine", segments: Sequence[StoredSegment]
+        self, engine: "CacheBlendEngine", segments: Sequence[StoredSegment], *, first_layer: int = 0
     ) -> tuple[CachedKVSource, int, int]:
-        """Returns the source (stored chunks concatenated in order), hits and misses."""
+        """Returns the source (stored chunks concatenated in order), hits and misses.
+        ``first_layer`` is the first layer the blend will read, so a loader can fetch it first."""
         ...
 
 
@@ -306,7 +307,8 @@ class CacheBlendEngine:
             return result
         cfg.validate_for_model(self.adapter.num_layers)
 
-        source, hits, misses = self._open_source(segs, store)
+        first_layer = cfg.check_layer if cfg.recompute_ratio > 0 else 0
+        source, hits, misses = self._open_source(segs, store, first_layer)
         try:
             result = self._blend_layers(input_ids, segs, source, cfg, t0)
         finally:
@@ -360,7 +362,7 @@ class CacheBlendEngine:
             )
 
     def _open_source(
-        self, segs: list[Segment], store: KVSourceProvider | None
+        self, segs: list[Segment], store: KVSourceProvider | None, first_layer: int
     ) -> tuple[CachedKVSource, int, int]:
         cached = [s for s in segs if isinstance(s, CachedSegment)]
         stored = [s for s in segs if isinstance(s, StoredSegment)]
@@ -369,7 +371,7 @@ class CacheBlendEngine:
             assert memory is not None
             return memory, len(cached), 0
         assert store is not None
-        from_store, hits, misses = store.open_source(self, stored)
+        from_store, hits, misses = store.open_source(self, stored, first_layer=first_layer)
         if memory is None:
             return from_store, hits, misses
         parts = [(memory, [len(s.token_ids) for s in cached]), (from_store, [len(s.token_ids) for s in stored])]

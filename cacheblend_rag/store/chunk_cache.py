@@ -193,8 +193,13 @@ class ChunkCache:
             return None
         return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
 
-    def open_source(self, engine: Any, segments: Sequence[StoredSegment]) -> tuple[CachedKVSource, int, int]:
-        """A layer-wise source over ``segments`` (in order), plus the numbers of hits and misses."""
+    def open_source(
+        self, engine: Any, segments: Sequence[StoredSegment], *, first_layer: int | None = None
+    ) -> tuple[CachedKVSource, int, int]:
+        """A layer-wise source over ``segments`` (in order), plus the numbers of hits and misses.
+
+        ``first_layer`` is the layer the blend reads first (read ahead before any other);
+        by default it is derived from the engine's own config."""
         keys = [self.key_for(s.token_ids, s.prefix_ids, engine) for s in segments]
         manifests = self._fetch_manifests(keys)
         plans: list[PlannedChunk | None] = []
@@ -215,10 +220,11 @@ class ChunkCache:
         planned = [p for p in plans if p is not None]
         if not any(p.manifest is not None for p in planned):
             return InMemoryKVSource(fresh, engine.device, engine.dtype), hits, misses
-        ratio = engine.config.recompute_ratio
+        if first_layer is None:
+            first_layer = engine.config.check_layer if engine.config.recompute_ratio > 0 else 0
         source = PipelinedKVSource(
             self.store, engine, planned, prefetch=self.prefetch,
-            first_layer=engine.config.check_layer if ratio > 0 else 0,
+            first_layer=first_layer,
             on_damaged=self._on_damaged,
         )
         return source, hits, misses
