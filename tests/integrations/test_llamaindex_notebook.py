@@ -58,7 +58,7 @@ def test_notebook_runs(tmp_path, monkeypatch):
     printed = "".join(
         output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
     )
-    assert "mean TTFT: CacheBlend" in printed
+    assert "median TTFT: CacheBlend" in printed
 
 
 if __name__ == "__main__":
