@@ -41,13 +41,13 @@ from cacheblend_rag.bench.requests import (
     PrefixCachingRequest,
     Request,
     RequestRun,
-    eos_token_ids,
     run_request,
     time_to_first_token,
 )
 from cacheblend_rag.bench.stores import ChunkStoreFactory, StoreKind
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
+from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.chunk_cache import STORAGE_DTYPES
 

@@ -142,17 +142,6 @@ class PrefixCachingRequest(Request):
         return a.final_logits(hidden)[0, -1], cache
 
 
-def eos_token_ids(engine: CacheBlendEngine) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(engine.model, "generation_config", None), engine.tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return ids
-
-
 @dataclass
 class RequestRun:
     ttft_s: float

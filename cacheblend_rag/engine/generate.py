@@ -76,7 +76,8 @@ class TokenSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def _eos_ids(engine: "CacheBlendEngine") -> set[int]:
+def eos_token_ids(engine: "CacheBlendEngine") -> set[int]:
+    """End-of-sequence ids from the generation config and the tokenizer (either may list several)."""
     ids: set[int] = set()
     for source in (getattr(engine.model, "generation_config", None), engine.tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
@@ -146,7 +147,7 @@ def _decode(
     start = time.perf_counter()
     blended = engine.blend(segments, config=config, store=store)
     sampler = TokenSampler(gen, engine.device)
-    eos = _eos_ids(engine)
+    eos = eos_token_ids(engine)
     token = sampler(blended.logits)
     ttft = time.perf_counter() - start
     cache = blended.cache
