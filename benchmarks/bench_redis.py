@@ -32,21 +32,13 @@ import time
 import uuid
 from pathlib import Path
 
-from bench_store import DEFAULT_DATA, load_prompt  # the same prompt as the disk benchmark
+from bench_store import add_prompt_arguments, load_prompt  # the same prompt as the disk benchmark
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="an existing Redis (default: start a local redis-server)")
-    p.add_argument("--model", default=None, help="model name or path (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MuSiQue JSON (question, ctxs[{title,text}])")
-    p.add_argument("--question", type=int, default=0, help="index of the MuSiQue question to use")
-    p.add_argument("--chunks", type=int, default=8, help="stored chunks in the prompt (6-10 in the issue)")
-    p.add_argument("--max-chunk-tokens", type=int, default=500, help="truncate passages to this many tokens")
-    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio")
-    p.add_argument("--repeats", type=int, default=5)
+    add_prompt_arguments(p)
     return p.parse_args(argv)
 
 

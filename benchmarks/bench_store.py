@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "musique_dev.json"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and prompt options shared with bench_redis.py, so both measure the same prompt."""
     p.add_argument("--model", default=None, help="model name or path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chunk-tokens", type=int, default=500, help="truncate passages to this many tokens")
     p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio")
     p.add_argument("--repeats", type=int, default=5)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prompt_arguments(p)
     p.add_argument("--store-dir", type=Path, default=None, help="where the disk stores go (default: a temp dir)")
     p.add_argument("--keep-page-cache", action="store_true", help="do not drop store files from the page cache")
     return p.parse_args(argv)
