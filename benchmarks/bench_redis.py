@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from bench_store import add_prompt_arguments, load_prompt  # the same prompt as the disk benchmark
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -12,7 +12,6 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag import BlendConfig, CachedSegment, ChunkKV, FreshSegment
+from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
 from cacheblend_rag.engine.selection import selection_budget
 from cacheblend_rag.testing import tiny_engine
 

@@ -13,7 +13,7 @@ from cacheblend_rag import (
     GenerationConfig,
     UnsupportedArchitectureError,
 )
-from cacheblend_rag.testing import tiny_engine, tiny_model
+from cacheblend_rag.testing import tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag import BlendConfig, CacheBlendEngine, CorrectnessGateError
+from cacheblend_rag import BlendConfig, CorrectnessGateError
 from cacheblend_rag.engine import blend as blend_module
 from cacheblend_rag.testing import tiny_engine
 

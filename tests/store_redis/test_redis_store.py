@@ -60,7 +60,7 @@ def test_pending_writes_expire_and_ttl_applies_once_complete(redis_server, redis
     store = _store(redis_url, ttl=500, pending_ttl=60)
     store.put_layer("k", "w1", 0, b"x")
     with redis_server.client() as client:
-        name = f"cacheblend:tests:{{k}}"
+        name = "cacheblend:tests:{k}"
         assert 0 < client.ttl(name) <= 60  # a writer that dies here leaves nothing for long
         for layer in (1, 2):
             store.put_layer("k", "w1", layer, b"x")
