@@ -25,7 +25,11 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
 
 
 def test_unreachable_hub_id_says_so(monkeypatch):
+    import huggingface_hub.constants
+
+    # huggingface_hub reads the variable at import time; set the flag too so no request waits on a timeout.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="hub could not be reached"):
         load_model("no-such-org/no-such-model-cacheblend")
 
