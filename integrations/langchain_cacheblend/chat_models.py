@@ -17,8 +17,6 @@ works as an ordinary local chat model.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import difflib
 import logging
 import os
@@ -38,6 +36,7 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
@@ -394,44 +393,10 @@ class ChatCacheBlend(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        # The engine computes on a worker thread so the event loop stays free; chunks come
-        # back through a queue. Leaving early stops the decode at its next token.
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def send(kind: str, value: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-            except RuntimeError:  # the loop closed while we were computing
-                cancelled.set()
-
-        def produce() -> None:
-            chunks = self._stream(messages, stop=stop, **kwargs)
-            try:
-                for chunk in chunks:
-                    if cancelled.is_set():
-                        break
-                    send("chunk", chunk)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
-                send("error", exc)
-            finally:
-                chunks.close()
-                send("done", None)
-
-        context = contextvars.copy_context()
-        threading.Thread(target=context.run, args=(produce,), name="cacheblend-decode", daemon=True).start()
-        try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "chunk":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
-                    return
-        finally:
-            cancelled.set()
+        # The engine computes on a worker thread so the event loop stays free. Leaving early
+        # stops the decode at its next token.
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs)):
+            yield chunk
 
     async def _agenerate(
         self,

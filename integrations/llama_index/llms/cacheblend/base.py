@@ -41,18 +41,14 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment
 from cacheblend_rag.engine.generate import GenerationResult
 from cacheblend_rag.prompting import split_prompt, to_segments
 from cacheblend_rag.store import ChunkCache, parse_size
 
-from llama_index.llms.cacheblend.runtime import (
-    AnnouncedChunks,
-    engine_lock,
-    iterate_in_thread,
-    open_chunk_cache,
-)
+from llama_index.llms.cacheblend.runtime import AnnouncedChunks, engine_lock, open_chunk_cache
 
 logger = logging.getLogger(__name__)
 

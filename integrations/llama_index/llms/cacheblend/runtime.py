@@ -2,25 +2,19 @@
 
 - :class:`AnnouncedChunks`: the chunk texts the retrieval side said prompts will contain.
 - :func:`engine_lock`: one lock per engine, because a torch model is not re-entrant.
-- :func:`iterate_in_thread`: drive a blocking iterator from a worker thread, so async
-  streaming never blocks the event loop.
 - :func:`open_chunk_cache` and :func:`node_chunk_text`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Iterable
 
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from cacheblend_rag.store import ChunkCache, DiskKVStore, open_store, parse_size
-
-T = TypeVar("T")
-
 
 def node_chunk_text(node: BaseNode, metadata_mode: MetadataMode = MetadataMode.LLM) -> str:
     """The text of ``node`` as the query engine will render it into the prompt.
@@ -94,51 +88,3 @@ def open_chunk_cache(engine: Any, store_path: str | None, size_limit: int | str 
         return ChunkCache(engine, open_store(None, size_limit=size_limit))
     return ChunkCache(engine, DiskKVStore(store_path, size_limit=None if size_limit is None else parse_size(size_limit)))
 
-
-_ITEM, _ERROR, _DONE = "item", "error", "done"
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Yield the items of a blocking iterator that runs entirely in one worker thread.
-
-    One thread for the whole iteration (not one per item) so that locks taken inside
-    the iterator are acquired and released by the same thread.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    stop = threading.Event()
-
-    def send(kind: str, value: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            stop.set()
-
-    def produce() -> None:
-        iterator = make_iterator()
-        try:
-            for item in iterator:
-                send(_ITEM, item)
-                if stop.is_set():
-                    break
-        except BaseException as exc:  # handed to the awaiting side, which re-raises it
-            send(_ERROR, exc)
-        else:
-            send(_DONE, None)
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-
-    worker = threading.Thread(target=produce, name="cacheblend-stream", daemon=True)
-    worker.start()
-    try:
-        while True:
-            kind, value = await queue.get()
-            if kind == _DONE:
-                return
-            if kind == _ERROR:
-                raise value
-            yield value
-    finally:
-        stop.set()
