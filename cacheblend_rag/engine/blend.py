@@ -551,7 +551,7 @@ class CacheBlendEngine:
         last position. A masked attention cannot skip the causal upper triangle, so grouping
         saves close to half of the attention work of the selected tokens."""
         m = query_positions.numel()
-        groups = max(1, min(16, m // 32))
+        groups = max(1, min(8, m // 32))
         device = query_positions.device
         effective = torch.arange(total - m, total, device=device) if mask == "bottom_right" else query_positions
         bounds = sorted({0, m, *(round(m * g / groups) for g in range(1, groups))})
