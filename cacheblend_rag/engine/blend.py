@@ -272,9 +272,8 @@ class CacheBlendEngine:
             values.append(v)
             if layer == last:
                 break  # the last layer's K/V do not depend on its own output
-            attn = self._attend(
-                adapter, layer, adapter.apply_rope(q, cos, sin), adapter.apply_rope(k, cos, sin), v,
-                query_positions=None, total=t, mask="exact",
+            attn = self._causal_attention(
+                adapter, layer, adapter.apply_rope(q, cos, sin), adapter.apply_rope(k, cos, sin), v
             )
             hidden = adapter.mlp_block(layer, hidden + adapter.attention_output(layer, attn))
         return keys, values
@@ -490,8 +489,8 @@ class CacheBlendEngine:
                 # Only the last token's output is needed from the final layer.
                 restrict(active[-1:])
             q_rot = a.apply_rope(q, cos_all[:, active], sin_all[:, active])
-            if active.numel() == n and a.sliding_window(layer) is None:
-                attn = self._attend(a, layer, q_rot, key_layer, value_layer, query_positions=None, total=n, mask="exact")
+            if active.numel() == n:
+                attn = self._causal_attention(a, layer, q_rot, key_layer, value_layer)
             else:
                 window = a.sliding_window(layer)
                 if window not in plans:
@@ -568,34 +567,20 @@ class CacheBlendEngine:
             plan.append((slice(lo, hi), key_end, additive))
         return plan
 
-    def _attend(
-        self,
-        a: DecoderAdapter,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        query_positions: torch.Tensor | None,
-        total: int,
-        mask: str,
+    @staticmethod
+    def _causal_attention(
+        a: DecoderAdapter, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Attention of ``q`` over all ``total`` keys. ``query_positions=None`` means every position."""
+        """Causal attention of every position over every position (full prefill of a layer)."""
+        total = q.shape[2]
         window = a.sliding_window(layer)
-        windowed = window is not None and total > window
         scale = a.attention_scale(layer)
         gqa = a.num_heads != a.num_kv_heads
-        if query_positions is None and not windowed:
+        if window is None or total <= window:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        key_pos = torch.arange(total, device=q.device)
-        if query_positions is None:
-            query_positions = key_pos
-        if mask == "bottom_right":
-            m = query_positions.numel()
-            query_positions = torch.arange(total - m, total, device=q.device)
-        allowed = key_pos[None, :] <= query_positions[:, None]
-        if windowed:
-            allowed &= key_pos[None, :] > query_positions[:, None] - window
+        positions = torch.arange(total, device=q.device)
+        offset = positions[None, :] - positions[:, None]  # key position minus query position
+        allowed = (offset <= 0) & (offset > -window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
     def _make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
