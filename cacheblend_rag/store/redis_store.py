@@ -38,7 +38,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -384,18 +384,28 @@ class RedisKVStore(KVStore):
             names = list(self._client.scan_iter(match=self._scope() + "{*}", count=_SCAN_BATCH, _type="hash"))
         return iter(names)
 
-    def keys(self) -> Iterator[str]:
+    def _per_chunk(
+        self, what: str, queue: Callable[[Any, bytes], Any], width: int
+    ) -> Iterator[tuple[bytes, list[Any]]]:
+        """Each chunk hash with the answers to the ``width`` commands ``queue(pipe, name)`` adds,
+        asked in pipelined batches of ``_SCAN_BATCH`` hashes."""
         names = list(self._chunk_hashes())
         for start in range(0, len(names), _SCAN_BATCH):
             batch = names[start : start + _SCAN_BATCH]
-            with self._io("list keys"):
+            with self._io(what):
                 pipe = self._client.pipeline(transaction=False)
                 for name in batch:
-                    pipe.hexists(name, MANIFEST_FIELD)
-                complete = pipe.execute()
-            for name, has_manifest in zip(batch, complete):
-                if has_manifest:
-                    yield name.decode().rsplit("{", 1)[1].rstrip("}")
+                    queue(pipe, name)
+                answers = pipe.execute()
+            for i, name in enumerate(batch):
+                yield name, answers[i * width : (i + 1) * width]
+
+    def keys(self) -> Iterator[str]:
+        for name, (has_manifest,) in self._per_chunk(
+            "list keys", lambda pipe, name: pipe.hexists(name, MANIFEST_FIELD), 1
+        ):
+            if has_manifest:
+                yield name.decode().rsplit("{", 1)[1].rstrip("}")
 
     # ---------------------------------------------------------------- admin
     def record(self, **counts: int) -> None:
@@ -435,18 +445,14 @@ class RedisKVStore(KVStore):
                 self._client.unlink(*names)
 
     def stats(self) -> StoreStats:
-        names = list(self._chunk_hashes())
+        def queue(pipe: Any, name: bytes) -> None:
+            pipe.hexists(name, MANIFEST_FIELD)
+            pipe.memory_usage(name, samples=0)
+
         entries, used = 0, 0
-        for start in range(0, len(names), _SCAN_BATCH):
-            batch = names[start : start + _SCAN_BATCH]
-            with self._io("measure its size"):
-                pipe = self._client.pipeline(transaction=False)
-                for name in batch:
-                    pipe.hexists(name, MANIFEST_FIELD)
-                    pipe.memory_usage(name, samples=0)
-                answers = pipe.execute()
-            entries += sum(bool(a) for a in answers[0::2])
-            used += sum(int(a or 0) for a in answers[1::2])
+        for _, (has_manifest, size) in self._per_chunk("measure its size", queue, 2):
+            entries += bool(has_manifest)
+            used += int(size or 0)
         with self._io("read its memory settings"):
             memory = self._client.info("memory")
         details = {"url": redact_url(self.url), "prefix": self.prefix, "namespace": self.namespace, "ttl": self.ttl,
