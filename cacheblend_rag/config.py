@@ -38,8 +38,9 @@ class BlendConfig:
         full KV reuse (no layer recomputes a cached token, not even those before
         the check layer); ``1`` recomputes everything and equals full prefill.
     check_layer:
-        Layer at which fresh and cached KV are compared. Layers before it are
-        recomputed for every token.
+        Layer at which the tokens to recompute are chosen. Layers before it are
+        recomputed for every token. ``None`` (default) takes the strategy's own:
+        1 for deviation-based strategies, 0 for ``query_profiled``.
     deviation:
         ``"value"`` (CacheBlend's default) or ``"key"`` deviation ranks tokens.
     mask:
@@ -58,7 +59,7 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15
-    check_layer: int = 1
+    check_layer: int | None = None
     deviation: DeviationKind = "value"
     mask: MaskKind = "exact"
     selection: str = "kv_deviation"
@@ -71,7 +72,8 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         _check_range("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
-        _check_range("check_layer", self.check_layer, 0, 10_000, integer=True)
+        if self.check_layer is not None:
+            _check_range("check_layer", self.check_layer, 0, 10_000, integer=True)
         _check_choice("deviation", self.deviation, ("value", "key"))
         _check_choice("mask", self.mask, ("exact", "bottom_right"))
         _check_range("sink_tokens", self.sink_tokens, 0, 1_000_000, integer=True)
@@ -84,10 +86,19 @@ class BlendConfig:
 
         _check_choice("selection", self.selection, tuple(available_strategies()))
 
+    @property
+    def resolved_check_layer(self) -> int:
+        """``check_layer``, or the selection strategy's default when it is ``None``."""
+        if self.check_layer is not None:
+            return self.check_layer
+        from cacheblend_rag.engine.selection import get_strategy
+
+        return get_strategy(self.selection).default_check_layer
+
     def validate_for_model(self, num_layers: int) -> None:
-        if self.check_layer >= num_layers:
+        if self.resolved_check_layer >= num_layers:
             raise ConfigError(
-                f"check_layer={self.check_layer} is out of range for a model with {num_layers} layers; "
+                f"check_layer={self.resolved_check_layer} is out of range for a model with {num_layers} layers; "
                 f"allowed range is [0, {num_layers - 1}]"
             )
 

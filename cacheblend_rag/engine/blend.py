@@ -93,6 +93,16 @@ class BlendStats:
 
 
 @dataclass
+class _Profile:
+    """What a profiling pass leaves: the merged per-layer K/V of full reuse and the attention
+    the question paid each cached token, summed over layers and heads."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    question_attention: torch.Tensor  # [n_cached]
+
+
+@dataclass
 class BlendResult:
     logits: torch.Tensor  # [vocab], for the token after the prompt
     cache: DynamicCache  # ready for decoding at position len(input_ids)
@@ -306,7 +316,7 @@ class CacheBlendEngine:
             return result
         cfg.validate_for_model(self.adapter.num_layers)
 
-        first_layer = cfg.check_layer if cfg.recompute_ratio > 0 else 0
+        first_layer = 0 if cfg.recompute_ratio == 0 or get_strategy(cfg.selection).needs_profile else cfg.resolved_check_layer
         source, hits, misses = self._open_source(segs, store, first_layer)
         try:
             result = self._blend_layers(input_ids, segs, source, cfg, t0)
@@ -411,15 +421,37 @@ class CacheBlendEngine:
         budget = selection_budget(cfg.recompute_ratio, n_cached)
         full_reuse = cfg.recompute_ratio == 0.0
         strategy = get_strategy(cfg.selection)
+        check_layer = cfg.resolved_check_layer
+        question_len = len(segs[-1].token_ids)
+        timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
+        cos_all, sin_all = a.rope_cos_sin(a.embed(ids[:1].unsqueeze(0)), positions.unsqueeze(0))
+
+        def merged_from_source(layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Layer ``layer``'s K/V for all n positions, cached chunks rotated straight into place."""
+            parts = source.layer_parts(layer, chunk_lengths)
+            key_layer = torch.empty((1, a.num_kv_heads, n, a.head_dim), dtype=like.dtype, device=dev)
+            value_layer = torch.empty_like(key_layer)
+            for (start, end), (chunk_k, chunk_v) in zip(prompt_spans, parts):
+                a.apply_rope(chunk_k.unsqueeze(0).to(like.dtype), cos_all[:, start:end], sin_all[:, start:end],
+                             out=key_layer[:, :, start:end])
+                value_layer[0, :, start:end].copy_(chunk_v)
+            return key_layer, value_layer
+
+        # A profiling strategy first runs full KV reuse (only the fresh tokens compute) and records
+        # how much attention the question pays every cached token in every layer. That pass
+        # also builds the merged per-layer cache, which the blend below then patches in place.
+        profile: _Profile | None = None
+        if strategy.needs_profile and not full_reuse:
+            tick = time.perf_counter()
+            profile = self._profile_pass(ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source)
+            timings["profile"] = time.perf_counter() - tick
 
         active = fresh_pos if full_reuse else positions  # positions whose hidden states we carry
         hidden = a.embed(ids[active].unsqueeze(0))
-        cos_all, sin_all = a.rope_cos_sin(hidden, positions.unsqueeze(0))
         selected: torch.Tensor | None = None  # indices into cached tokens being recomputed
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         plans: dict[int | None, list[tuple[slice, int, torch.Tensor | None]]] = {}
-        timings = {"early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
         last_layer = a.num_layers - 1
         tick = time.perf_counter()
 
@@ -429,56 +461,60 @@ class CacheBlendEngine:
             q, hidden, active = q[:, :, rel], hidden[:, rel], new_active
             plans.clear()
 
+        def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, among: torch.Tensor | None):
+            """Fresh and cached K/V of the cached tokens (``among`` of them, or all) at ``layer``.
+            With a profile the cached K comes rotated from the merged cache, so the fresh K is
+            rotated too; deviations are norms, which a rotation does not change."""
+            idx = cached_pos if among is None else cached_pos[among]
+            if profile is not None:
+                cached_k, cached_v = profile.keys[layer][0, :, idx], profile.values[layer][0, :, idx]
+            else:
+                cached_k, cached_v = source.layer(layer)
+                if among is not None:
+                    cached_k, cached_v = cached_k[:, among], cached_v[:, among]
+            return SelectionContext(
+                layer=layer, budget=budget, fresh_k=fresh_k, fresh_v=fresh_v,
+                cached_k=cached_k, cached_v=cached_v, chunk_spans=chunk_spans,
+                deviation=cfg.deviation, sink_tokens=cfg.sink_tokens,
+                query_weight=cfg.query_weight, gradual_expand=cfg.gradual_expand,
+                layers_left=last_layer - layer,
+            )
+
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
             all_active = active.numel() == n
             phase = "early_layers"
-            if layer == cfg.check_layer and not full_reuse:
+            if layer == check_layer and not full_reuse:
                 phase = "check_layer"
-                cached_k, cached_v = source.layer(layer)
-                ctx = SelectionContext(
-                    layer=layer, budget=budget,
-                    fresh_k=k[0, :, cached_pos], fresh_v=v[0, :, cached_pos],
-                    cached_k=cached_k, cached_v=cached_v, chunk_spans=chunk_spans,
-                    deviation=cfg.deviation, sink_tokens=cfg.sink_tokens,
-                    query_weight=cfg.query_weight, gradual_expand=cfg.gradual_expand,
-                    layers_left=last_layer - layer,
-                )
-                if strategy.needs_query_attention:
-                    ctx.query_attention = self._query_attention_fn(a, layer, q, k, cos_all, sin_all, cached_pos, segs)
-                selected = strategy.select(ctx)
-                # The check layer's fresh K/V is already computed for every token: keep all of it.
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
+                fresh_k = key_layer[0, :, cached_pos] if profile is not None else k[0, :, cached_pos]
+                ctx = selection_context(layer, fresh_k, v[0, :, cached_pos], None)
+                if profile is not None:
+                    ctx.query_attention = lambda: profile.question_attention
+                elif strategy.needs_query_attention:
+                    ctx.query_attention = self._query_attention_fn(a, layer, q, key_layer, cos_all, sin_all,
+                                                                   cached_pos, question_len)
+                selected = strategy.select(ctx)
+                # The check layer's fresh K/V is already computed for every token: keep all of it.
                 restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
             elif all_active and (selected is None or selected.numel() <= budget):
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
             else:
                 phase = "late_layers" if not full_reuse else "early_layers"
-                parts = source.layer_parts(layer, chunk_lengths)
-                key_layer = torch.empty((1, a.num_kv_heads, n, a.head_dim), dtype=k.dtype, device=dev)
-                value_layer = torch.empty_like(key_layer)
-                # Rotate each cached chunk straight into its place in the merged cache.
-                for (start, end), (chunk_k, chunk_v) in zip(prompt_spans, parts):
-                    a.apply_rope(chunk_k.unsqueeze(0).to(k.dtype), cos_all[:, start:end], sin_all[:, start:end],
-                                 out=key_layer[:, :, start:end])
-                    value_layer[0, :, start:end].copy_(chunk_v)
-                key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
+                if profile is not None:
+                    key_layer, value_layer = profile.keys[layer], profile.values[layer]
+                else:
+                    key_layer, value_layer = merged_from_source(layer, k)
+                k_rot = a.apply_rope(k, cos_all[:, active], sin_all[:, active])
+                key_layer.index_copy_(2, active, k_rot)
                 value_layer.index_copy_(2, active, v)
                 if selected is not None and selected.numel() > budget:
-                    cached_k = torch.cat([ck for ck, _ in parts], dim=1)
-                    cached_v = torch.cat([cv for _, cv in parts], dim=1)
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
                     sel_rel = torch.searchsorted(active, cached_pos[selected])
-                    ctx = SelectionContext(
-                        layer=layer, budget=budget,
-                        fresh_k=k[0, :, sel_rel], fresh_v=v[0, :, sel_rel],
-                        cached_k=cached_k[:, selected], cached_v=cached_v[:, selected],
-                        chunk_spans=chunk_spans, deviation=cfg.deviation,
-                        gradual_expand=cfg.gradual_expand, layers_left=last_layer - layer,
-                    )
-                    narrowed = strategy.refine(ctx, selected)
+                    fresh_k = (k_rot if profile is not None else k)[0, :, sel_rel]
+                    narrowed = strategy.refine(selection_context(layer, fresh_k, v[0, :, sel_rel], selected), selected)
                     if narrowed is not None:
                         selected = narrowed
                         restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
@@ -492,16 +528,7 @@ class CacheBlendEngine:
             if active.numel() == n:
                 attn = self._causal_attention(a, layer, q_rot, key_layer, value_layer)
             else:
-                window = a.sliding_window(layer)
-                if window not in plans:
-                    plans[window] = self._attention_plan(active, n, cfg.mask, window, q.dtype)
-                attn = torch.cat([
-                    F.scaled_dot_product_attention(
-                        q_rot[:, :, rows], key_layer[:, :, :key_end], value_layer[:, :, :key_end],
-                        attn_mask=mask, scale=a.attention_scale(layer), enable_gqa=a.num_heads != a.num_kv_heads,
-                    )
-                    for rows, key_end, mask in plans[window]
-                ], dim=2)
+                attn = self._partial_attention(a, layer, q_rot, key_layer, value_layer, active, plans, cfg.mask)
             hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
             now = time.perf_counter()
             timings[phase] += now - tick
@@ -525,20 +552,72 @@ class CacheBlendEngine:
         )
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 
-    def _query_attention_fn(self, a, layer, q, k, cos_all, sin_all, cached_pos, segs):
-        """Attention mass from the last fresh segment's tokens (the question) to each cached token."""
-        question_len = len(segs[-1].token_ids)
+    def _profile_pass(self, ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source) -> "_Profile":
+        """Full KV reuse over every layer (only fresh tokens compute), recording the attention the
+        question pays each cached token. Per layer and head the mass is normalised over the cached
+        tokens, so heads that mostly attend the fresh lead or the question itself still count."""
+        a = self.adapter
+        assert a is not None
+        active = fresh_pos
+        hidden = a.embed(ids[active].unsqueeze(0))
+        q_cos, q_sin = cos_all[:, active], sin_all[:, active]
+        question_rows = slice(active.numel() - question_len, None)
+        plans: dict[int | None, list[tuple[slice, int, torch.Tensor | None]]] = {}
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        scores = torch.zeros(cached_pos.numel(), dtype=torch.float32, device=self.device)
+        for layer in range(a.num_layers):
+            q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
+            key_layer, value_layer = merged_from_source(layer, k)
+            key_layer.index_copy_(2, active, a.apply_rope(k, q_cos, q_sin))
+            value_layer.index_copy_(2, active, v)
+            keys.append(key_layer)
+            values.append(value_layer)
+            q_rot = a.apply_rope(q, q_cos, q_sin)
+            mass = self._question_attention(a, layer, q_rot[:, :, question_rows], active[question_rows],
+                                            key_layer)[:, cached_pos]
+            scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
+            if layer == a.num_layers - 1:
+                break  # the last layer's output is not needed
+            attn = self._partial_attention(a, layer, q_rot, key_layer, value_layer, active, plans, "exact")
+            hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
+        return _Profile(keys=keys, values=values, question_attention=scores)
+
+    def _partial_attention(self, a, layer, q_rot, key_layer, value_layer, active, plans, mask) -> torch.Tensor:
+        """Attention of the ``active`` positions' queries over every key, in position groups."""
+        window = a.sliding_window(layer)
+        if window not in plans:
+            plans[window] = self._attention_plan(active, key_layer.shape[2], mask, window, q_rot.dtype)
+        return torch.cat([
+            F.scaled_dot_product_attention(
+                q_rot[:, :, rows], key_layer[:, :, :key_end], value_layer[:, :, :key_end],
+                attn_mask=additive, scale=a.attention_scale(layer), enable_gqa=a.num_heads != a.num_kv_heads,
+            )
+            for rows, key_end, additive in plans[window]
+        ], dim=2)
+
+    @staticmethod
+    def _question_attention(a, layer, q_rot, q_positions, key_layer) -> torch.Tensor:
+        """Attention mass ``[heads, n]`` that the queries ``q_rot`` (at ``q_positions``) pay each key,
+        summed over the queries."""
+        n = key_layer.shape[2]
+        k_rep = key_layer.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+        scores = (q_rot.float() @ k_rep.float().transpose(-1, -2)) * a.attention_scale(layer)
+        key_pos = torch.arange(n, device=q_rot.device)[None, :]
+        allowed = key_pos <= q_positions[:, None]
+        window = a.sliding_window(layer)
+        if window is not None:
+            allowed &= key_pos > q_positions[:, None] - window
+        return scores.masked_fill(~allowed, float("-inf")).softmax(-1).sum(dim=2)[0]
+
+    def _query_attention_fn(self, a, layer, q, key_layer, cos_all, sin_all, cached_pos, question_len):
+        """Attention mass from the question (the last fresh segment) to each cached token at ``layer``."""
 
         def compute() -> torch.Tensor:
             n = cos_all.shape[1]
             q_pos = torch.arange(n - question_len, n, device=q.device)
             q_rot = a.apply_rope(q[:, :, q_pos], cos_all[:, q_pos], sin_all[:, q_pos])
-            k_rot = a.apply_rope(k, cos_all, sin_all)
-            k_rep = k_rot.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
-            scores = (q_rot.float() @ k_rep.float().transpose(-1, -2)) * a.attention_scale(layer)
-            causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
-            scores = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-            return scores.sum(dim=(0, 1, 2))[cached_pos]
+            return self._question_attention(a, layer, q_rot, q_pos, key_layer).sum(dim=0)[cached_pos]
 
         return compute
 
@@ -638,7 +717,7 @@ class CacheBlendEngine:
         ids = [(17 + 7919 * i) % vocab for i in range(48)]
         prefix, chunk_a, chunk_b, suffix = ids[:6], ids[6:22], ids[22:40], ids[40:]
         chunks = self.prefill_chunks([chunk_a, chunk_b])
-        exact = BlendConfig(recompute_ratio=1.0, check_layer=min(cfg.check_layer, self.adapter.num_layers - 1),
+        exact = BlendConfig(recompute_ratio=1.0, check_layer=min(cfg.resolved_check_layer, self.adapter.num_layers - 1),
                             gate=False)
         blended = self.blend([prefix, chunks[0], chunks[1], suffix], config=exact).logits.float()
         reference = self.full_prefill(ids).logits.float()

@@ -68,6 +68,12 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
 class SelectionStrategy(ABC):
     name: ClassVar[str]
     needs_query_attention: ClassVar[bool] = False
+    # A profiling strategy gets ``ctx.query_attention`` from a full-reuse pass over every layer
+    # (see ``CacheBlendEngine._profile_pass``) instead of from the check layer alone.
+    needs_profile: ClassVar[bool] = False
+    # The check layer used when BlendConfig.check_layer is None. Deviation needs layer 1: layer 0's
+    # K/V depend on the token alone, so cached and fresh agree there.
+    default_check_layer: ClassVar[int] = 1
 
     @abstractmethod
     def select(self, ctx: SelectionContext) -> torch.Tensor:
@@ -139,6 +145,21 @@ class GradualFilter(SelectionStrategy):
         return current[top_indices(ctx.deviation_scores(), keep)]
 
 
+class QueryProfiled(SelectionStrategy):
+    """ProphetKV-style, measured over the whole model: a full-reuse pass (only the fresh tokens
+    compute, about the cost of full reuse) records the attention the question pays every cached
+    token in every layer and head; the tokens it leans on most are recomputed from layer 0.
+    Needs no full check layer, so its one extra pass costs about what CacheBlend's full layer does."""
+
+    name = "query_profiled"
+    needs_profile = True
+    default_check_layer = 0
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        assert ctx.query_attention is not None
+        return top_indices(ctx.query_attention(), ctx.budget)
+
+
 _REGISTRY: dict[str, Callable[[], SelectionStrategy]] = {}
 
 
@@ -147,7 +168,7 @@ def register_strategy(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     return cls
 
 
-for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter):
+for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter, QueryProfiled):
     register_strategy(_cls)
 
 

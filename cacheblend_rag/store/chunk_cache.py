@@ -221,7 +221,7 @@ class ChunkCache:
         if not any(p.manifest is not None for p in planned):
             return InMemoryKVSource(fresh, engine.device, engine.dtype), hits, misses
         if first_layer is None:
-            first_layer = engine.config.check_layer if engine.config.recompute_ratio > 0 else 0
+            first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
         source = PipelinedKVSource(
             self.store, engine, planned, prefetch=self.prefetch,
             first_layer=first_layer,

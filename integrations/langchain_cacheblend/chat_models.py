@@ -151,7 +151,8 @@ class ChatCacheBlend(BaseChatModel):
     dtype: str | None = None
 
     recompute_ratio: float = BlendConfig.recompute_ratio
-    check_layer: int = BlendConfig.check_layer
+    check_layer: int | None = BlendConfig.check_layer
+    """``None`` takes the selection strategy's own check layer."""
     selection: str = BlendConfig.selection
     deviation: Literal["value", "key"] = BlendConfig.deviation
     mask: Literal["exact", "bottom_right"] = BlendConfig.mask

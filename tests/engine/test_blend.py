@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
-from cacheblend_rag.engine.selection import selection_budget
+from cacheblend_rag.engine.selection import available_strategies, selection_budget
 from cacheblend_rag.testing import tiny_engine
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -121,7 +121,7 @@ def test_rerotation_matches_key_computed_at_position():
 
 
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3, 0.5, 0.9])
-@pytest.mark.parametrize("strategy", ["kv_deviation", "sink_aware", "query_aware", "gradual"])
+@pytest.mark.parametrize("strategy", available_strategies())
 def test_selection_picks_budget_plus_uncached(ratio, strategy):
     engine = make_engine("llama")
     segments, full_ids, chunks = build_prompt(engine)
@@ -136,7 +136,7 @@ def test_selection_picks_budget_plus_uncached(ratio, strategy):
     assert all(prefix_len <= p < prefix_len + n_cached for p in blended.stats.selected_positions)
 
 
-@pytest.mark.parametrize("strategy", ["kv_deviation", "sink_aware", "query_aware", "gradual"])
+@pytest.mark.parametrize("strategy", available_strategies())
 def test_selection_is_deterministic_and_exact_at_one(strategy):
     engine = make_engine("qwen2")
     segments, full_ids, _ = build_prompt(engine)
@@ -225,3 +225,50 @@ def test_gradual_reaches_budget_even_at_last_check_layer():
     for check_layer in range(engine.num_layers):
         cfg = BlendConfig(recompute_ratio=0.3, selection="gradual", check_layer=check_layer)
         assert engine.blend(segments, config=cfg).stats.recomputed_tokens == round(0.3 * n_cached)
+
+
+def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
+    """Recompute the profile independently: the model's own eager attention of the question over
+    the full-reuse cache, normalised per layer and head over the cached tokens."""
+    engine = make_engine("llama")
+    segments, full_ids, chunks = build_prompt(engine)
+    n, q_len = len(full_ids), len(segments[-1].token_ids)
+    start = len(segments[0].token_ids)
+    n_cached = sum(len(c) for c in chunks)
+    reuse_cache = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0)).cache
+    reuse_cache.crop(-q_len)
+    model = engine.model
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=torch.tensor([full_ids[n - q_len:]]), cache=reuse_cache,
+                    position_ids=torch.arange(n - q_len, n).unsqueeze(0), output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    scores = torch.zeros(n_cached)
+    for layer_attention in out.attentions:  # [1, heads, q_len, n]
+        mass = layer_attention[0].float().sum(dim=1)[:, start:start + n_cached]
+        scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
+    budget = selection_budget(0.3, n_cached)
+    expected = sorted((start + torch.topk(scores, budget).indices).tolist())
+    blended = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled"))
+    assert blended.stats.selected_positions == expected
+    assert blended.stats.timings["profile"] > 0
+
+
+def test_check_layer_defaults_to_the_strategys_own():
+    assert BlendConfig(selection="kv_deviation").resolved_check_layer == 1
+    assert BlendConfig(selection="query_profiled").resolved_check_layer == 0
+    assert BlendConfig(selection="query_profiled", check_layer=2).resolved_check_layer == 2
+    # Switching strategy on a config keeps following the strategy when check_layer was left unset.
+    assert BlendConfig(selection="query_profiled").with_overrides(selection="gradual").resolved_check_layer == 1
+
+
+def test_query_profiled_with_early_full_layers_is_exact_at_one_and_differs_below():
+    engine = make_engine("qwen3")
+    segments, full_ids, _ = build_prompt(engine)
+    full = engine.full_prefill(full_ids).logits
+    exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, selection="query_profiled", check_layer=1))
+    torch.testing.assert_close(exact.logits, full, atol=1e-4, rtol=1e-4)
+    partial = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled", check_layer=1))
+    reuse = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0))
+    assert (partial.logits - full).abs().max() < (reuse.logits - full).abs().max()

@@ -45,6 +45,18 @@ def test_blend_from_disk_equals_blend_from_in_memory_chunks(engine, tmp_path, st
     cache.close()
 
 
+@pytest.mark.parametrize("selection", ["kv_deviation", "query_profiled", "gradual"])
+def test_every_strategy_from_disk_equals_in_memory(engine, disk_cache, stored_prompt, selection):
+    # query_profiled reads every layer once, in its profiling pass, and patches that merged cache.
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    config = BlendConfig(recompute_ratio=0.3, selection=selection)
+    result = engine.blend(stored, store=disk_cache, config=config)
+    reference = engine.blend(in_memory, config=config)
+    assert result.stats.selected_positions == reference.stats.selected_positions
+    torch.testing.assert_close(result.logits, reference.logits, **EXACT)
+
+
 def test_ratio_one_from_the_store_equals_full_prefill(engine, disk_cache, stored_prompt):
     stored, _ = stored_prompt
     disk_cache.warm(TEXTS)

@@ -82,7 +82,10 @@ class CacheBlendLLM(CustomLLM):
 
     # --- BlendConfig (see cacheblend_rag.config.BlendConfig for their meaning)
     recompute_ratio: float = Field(default=_BLEND.recompute_ratio, description="Share of cached tokens recomputed.")
-    check_layer: int = Field(default=_BLEND.check_layer, description="Layer where cached and fresh KV are compared.")
+    check_layer: Optional[int] = Field(
+        default=_BLEND.check_layer,
+        description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",
+    )
     deviation: str = Field(default=_BLEND.deviation, description="'value' or 'key' deviation ranks tokens.")
     mask: str = Field(default=_BLEND.mask, description="'exact' or 'bottom_right' attention mask for recompute.")
     selection: str = Field(default=_BLEND.selection, description="Registered token-selection strategy.")
