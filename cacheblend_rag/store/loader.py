@@ -95,11 +95,24 @@ class PipelinedKVSource(CachedKVSource):
 
     # ------------------------------------------------------------ engine side
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._parts(index)
+        k = torch.cat([t.to(self.dtype) for t in keys], dim=1) if len(keys) > 1 else keys[0].to(self.dtype)
+        v = torch.cat([t.to(self.dtype) for t in values], dim=1) if len(values) > 1 else values[0].to(self.dtype)
+        return k, v
+
+    def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per chunk, without concatenating. On a CPU the parts stay in their storage dtype, over
+        the bytes read: the engine converts them while rotating them into its cache, so each
+        layer is copied once instead of three times (private copy, dtype conversion, concatenation)."""
+        keys, values = self._parts(index)
+        return list(zip(keys, values))
+
+    def _parts(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} is out of range for a model with {self.num_layers} layers")
         start = time.perf_counter()
         if self._executor is None:
-            k, v, event = self._load(index)
+            keys, values, event = self._load(index)
         else:
             for stale in [i for i in self._futures if i < index]:
                 self._futures.pop(stale).cancel()  # read ahead but never asked for
@@ -107,14 +120,14 @@ class PipelinedKVSource(CachedKVSource):
             future = self._futures.pop(index)
             for ahead in range(index + 1, min(index + 1 + self.depth, self.num_layers)):
                 self._schedule(ahead)
-            k, v, event = future.result()
+            keys, values, event = future.result()
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            k.record_stream(current)
-            v.record_stream(current)
+            for t in (*keys, *values):
+                t.record_stream(current)
         self.wait_seconds += time.perf_counter() - start
-        return k, v
+        return keys, values
 
     def close(self) -> None:
         if self._executor is not None:
@@ -134,7 +147,7 @@ class PipelinedKVSource(CachedKVSource):
         if self._executor is not None and index not in self._futures and 0 <= index < self.num_layers:
             self._futures[index] = self._executor.submit(self._load, index)
 
-    def _load(self, index: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _load(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         """Layer ``index`` of every chunk, on the engine's device and dtype (runs on the loader thread)."""
         stored = [c for c in self.chunks if c.fresh is None]
         blobs = self._fetch(stored, index)
@@ -150,7 +163,7 @@ class PipelinedKVSource(CachedKVSource):
                 self.bytes_read += len(blob)
                 if value_digest(blob) != chunk.manifest.layer_digests[index]:
                     raise CorruptEntryError(f"layer {index} is not the value its manifest names")
-                decoded[id(chunk)] = decode_layer(blob, chunk.manifest.layer_shape)
+                decoded[id(chunk)] = decode_layer(blob, chunk.manifest.layer_shape, copy=False)
             except CorruptEntryError as exc:
                 self._recompute(chunk, str(exc), index, damaged=True)
         keys, values = [], []
@@ -212,11 +225,11 @@ class PipelinedKVSource(CachedKVSource):
         if self.on_damaged is not None and damaged:
             self.on_damaged(chunk, reason, chunk.fresh)
 
-    def _to_device(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _to_device(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         if self._stream is None:
-            k = torch.cat([t.to(self.dtype) for t in keys], dim=1) if len(keys) > 1 else keys[0].to(self.dtype)
-            v = torch.cat([t.to(self.dtype) for t in values], dim=1) if len(values) > 1 else values[0].to(self.dtype)
-            return k.to(self.device), v.to(self.device), None
+            return [t.to(self.device) for t in keys], [t.to(self.device) for t in values], None
         # CUDA: copy the (16-bit) bytes from pinned memory on a side stream and convert on the
         # device. Freshly computed chunks are already there; the side stream waits for exactly
         # their kernels (an event), never for the blend's own work, or the overlap would be lost.
@@ -228,8 +241,8 @@ class PipelinedKVSource(CachedKVSource):
                     t = t.pin_memory().to(self.device, non_blocking=True)
                 return t.to(self.dtype)
 
-            k = torch.cat([move(t) for t in keys], dim=1)
-            v = torch.cat([move(t) for t in values], dim=1)
+            moved_keys = [move(t) for t in keys]
+            moved_values = [move(t) for t in values]
             event = torch.cuda.Event()
             event.record(self._stream)
-        return k, v, event
+        return moved_keys, moved_values, event
