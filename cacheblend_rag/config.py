@@ -51,6 +51,10 @@ class BlendConfig:
         Name of a registered token-selection strategy.
     sink_tokens:
         Tokens at the start of every chunk that sink-aware strategies always pick.
+    profile_layers:
+        How many layers ``query_profiled``'s full-reuse pass runs (and scores the question's
+        attention in). ``None``: the first half of the model, which scored as well as all
+        layers in our measurement (docs/quality.md) at half the pass's cost.
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:
@@ -66,6 +70,7 @@ class BlendConfig:
     sink_tokens: int = 4
     query_weight: float = 0.5
     gradual_expand: float = 2.0
+    profile_layers: int | None = None
     gate: bool = True
     gate_tolerance: float | None = None
     fallback_to_full_prefill: bool = False
@@ -79,6 +84,8 @@ class BlendConfig:
         _check_range("sink_tokens", self.sink_tokens, 0, 1_000_000, integer=True)
         _check_range("query_weight", self.query_weight, 0.0, 1.0)
         _check_range("gradual_expand", self.gradual_expand, 1.0, 100.0)
+        if self.profile_layers is not None:
+            _check_range("profile_layers", self.profile_layers, 1, 10_000, integer=True)
         if self.gate_tolerance is not None:
             _check_range("gate_tolerance", self.gate_tolerance, 0.0, 1e6)
         # Imported late: the registry imports engine modules that import this one.
@@ -95,11 +102,20 @@ class BlendConfig:
 
         return get_strategy(self.selection).default_check_layer
 
+    def resolved_profile_layers(self, num_layers: int) -> int:
+        """``profile_layers``, or half of ``num_layers`` (rounded up) when it is ``None``."""
+        return min(num_layers, self.profile_layers or (num_layers + 1) // 2)
+
     def validate_for_model(self, num_layers: int) -> None:
         if self.resolved_check_layer >= num_layers:
             raise ConfigError(
                 f"check_layer={self.resolved_check_layer} is out of range for a model with {num_layers} layers; "
                 f"allowed range is [0, {num_layers - 1}]"
+            )
+        if self.profile_layers is not None and self.profile_layers > num_layers:
+            raise ConfigError(
+                f"profile_layers={self.profile_layers} is out of range for a model with {num_layers} layers; "
+                f"allowed range is [1, {num_layers}]"
             )
 
     def with_overrides(self, **overrides: Any) -> "BlendConfig":

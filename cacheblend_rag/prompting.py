@@ -15,6 +15,46 @@ from typing import Any, Callable, Iterable, Sequence
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
 
 
+# Chunks are precomputed behind a conditioning prefix: the prompt's constant lead (system turn and
+# template text before the first chunk) followed by this invented passage. In a real prompt most
+# chunks follow another passage; computed behind the lead alone, every chunk is computed as if it
+# came first, and the attention it would pay earlier passages lands on the lead instead. The
+# stand-in gives it somewhere to go. On MuSiQue this roughly halved full reuse's error and lifted
+# CacheBlend's recovery by a further 5-10 points (docs/quality.md). The text is ours, written for
+# this purpose: plain encyclopedic prose, like the passages a RAG prompt carries.
+STAND_IN_PASSAGE = (
+    "Harrow Vale\n\nHarrow Vale is a small market town in the north of the county, on the east bank of the "
+    "River Lune. It was first recorded in 1086 and received its charter in 1254. The town grew around its wool "
+    "trade, and its stone bridge, built in 1672, is a listed structure. At the 2011 census it had a population "
+    "of 4,310. The local football club, Harrow Vale Athletic, was founded in 1889.\n\n"
+)
+
+
+def conditioning_prefix(lead_ids: Sequence[int], tokenize: Callable[[str], list[int]]) -> list[int]:
+    """The prefix chunks are precomputed behind: ``lead_ids`` and the stand-in passage."""
+    return [*lead_ids, *tokenize(STAND_IN_PASSAGE)]
+
+
+def template_lead(tokenizer: Any) -> str:
+    """The chat template's text before the first user message's content (its default system turn
+    and the user turn's opening), or ``""`` for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    marker = "\u2063cacheblend-user-content\u2063"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+    return rendered.split(marker, 1)[0] if marker in rendered else ""
+
+
+def default_conditioning_prefix(tokenizer: Any) -> list[int]:
+    """What the integrations precompute chunks behind by default: the template lead and the stand-in."""
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    return conditioning_prefix(tokenize(template_lead(tokenizer)), tokenize)
+
+
 @dataclass(frozen=True)
 class PromptPiece:
     text: str

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
-from cacheblend_rag.prompting import split_prompt
+from cacheblend_rag.prompting import STAND_IN_PASSAGE, split_prompt
 
 SYSTEM_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
@@ -94,6 +94,7 @@ class BenchPrompt:
     tail_ids: list[int]  # question with its instruction, end of turn, assistant opener
     text: str  # the rendered chat text, for reference
     passage_texts: list[str] = field(default_factory=list)
+    stand_in_ids: list[int] = field(default_factory=list)  # the stand-in passage (cacheblend_rag.prompting)
 
     @property
     def input_ids(self) -> list[int]:
@@ -109,8 +110,9 @@ class BenchPrompt:
         return len(self.lead_ids) + len(self.chunk_ids[0])
 
     def conditioning_prefix(self, prefix_conditioned: bool) -> tuple[int, ...]:
-        """The prefix chunks are precomputed behind: the lead (the text before every passage), or nothing."""
-        return tuple(self.lead_ids) if prefix_conditioned else ()
+        """The prefix chunks are precomputed behind: the lead (the text before every passage) and the
+        stand-in passage, or nothing."""
+        return (*self.lead_ids, *self.stand_in_ids) if prefix_conditioned else ()
 
     def stored_segments(self, prefix_ids: Sequence[int] = ()) -> list[Segment]:
         """Segments for ``engine.blend(store=...)``: passages fetched from the chunk store."""
@@ -174,4 +176,5 @@ def build_prompt(
         tail_ids=tail,
         text=rendered,
         passage_texts=texts,
+        stand_in_ids=tokenize(STAND_IN_PASSAGE),
     )

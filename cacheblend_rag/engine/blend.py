@@ -437,13 +437,15 @@ class CacheBlendEngine:
                 value_layer[0, :, start:end].copy_(chunk_v)
             return key_layer, value_layer
 
-        # A profiling strategy first runs full KV reuse (only the fresh tokens compute) and records
-        # how much attention the question pays every cached token in every layer. That pass
-        # also builds the merged per-layer cache, which the blend below then patches in place.
+        # A profiling strategy first runs full KV reuse (only the fresh tokens compute) through the
+        # first profile_layers layers and records how much attention the question pays every
+        # cached token there. That pass also builds those layers' merged cache, which the blend
+        # below then patches in place; later layers are read from the source as usual.
         profile: _Profile | None = None
         if strategy.needs_profile and not full_reuse:
             tick = time.perf_counter()
-            profile = self._profile_pass(ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source)
+            profile = self._profile_pass(ids, fresh_pos, cached_pos, question_len, cos_all, sin_all,
+                                         merged_from_source, cfg.resolved_profile_layers(a.num_layers))
             timings["profile"] = time.perf_counter() - tick
 
         active = fresh_pos if full_reuse else positions  # positions whose hidden states we carry
@@ -461,12 +463,15 @@ class CacheBlendEngine:
             q, hidden, active = q[:, :, rel], hidden[:, rel], new_active
             plans.clear()
 
+        def profiled(layer: int) -> bool:
+            return profile is not None and layer < len(profile.keys)
+
         def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, among: torch.Tensor | None):
             """Fresh and cached K/V of the cached tokens (``among`` of them, or all) at ``layer``.
             With a profile the cached K comes rotated from the merged cache, so the fresh K is
             rotated too; deviations are norms, which a rotation does not change."""
             idx = cached_pos if among is None else cached_pos[among]
-            if profile is not None:
+            if profiled(layer):
                 cached_k, cached_v = profile.keys[layer][0, :, idx], profile.values[layer][0, :, idx]
             else:
                 cached_k, cached_v = source.layer(layer)
@@ -488,7 +493,7 @@ class CacheBlendEngine:
                 phase = "check_layer"
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
-                fresh_k = key_layer[0, :, cached_pos] if profile is not None else k[0, :, cached_pos]
+                fresh_k = key_layer[0, :, cached_pos] if profiled(layer) else k[0, :, cached_pos]
                 ctx = selection_context(layer, fresh_k, v[0, :, cached_pos], None)
                 if profile is not None:
                     ctx.query_attention = lambda: profile.question_attention
@@ -503,7 +508,7 @@ class CacheBlendEngine:
                 value_layer = v
             else:
                 phase = "late_layers" if not full_reuse else "early_layers"
-                if profile is not None:
+                if profile is not None and layer < len(profile.keys):
                     key_layer, value_layer = profile.keys[layer], profile.values[layer]
                 else:
                     key_layer, value_layer = merged_from_source(layer, k)
@@ -513,7 +518,7 @@ class CacheBlendEngine:
                 if selected is not None and selected.numel() > budget:
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
                     sel_rel = torch.searchsorted(active, cached_pos[selected])
-                    fresh_k = (k_rot if profile is not None else k)[0, :, sel_rel]
+                    fresh_k = (k_rot if profiled(layer) else k)[0, :, sel_rel]
                     narrowed = strategy.refine(selection_context(layer, fresh_k, v[0, :, sel_rel], selected), selected)
                     if narrowed is not None:
                         selected = narrowed
@@ -552,10 +557,13 @@ class CacheBlendEngine:
         )
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 
-    def _profile_pass(self, ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source) -> "_Profile":
-        """Full KV reuse over every layer (only fresh tokens compute), recording the attention the
-        question pays each cached token. Per layer and head the mass is normalised over the cached
-        tokens, so heads that mostly attend the fresh lead or the question itself still count."""
+    def _profile_pass(
+        self, ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source, profile_layers: int
+    ) -> "_Profile":
+        """Full KV reuse over the first ``profile_layers`` layers (only fresh tokens compute),
+        recording the attention the question pays each cached token. Per layer and head the mass
+        is normalised over the cached tokens, so heads that mostly attend the fresh lead or the
+        question itself still count."""
         a = self.adapter
         assert a is not None
         active = fresh_pos
@@ -566,7 +574,7 @@ class CacheBlendEngine:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         scores = torch.zeros(cached_pos.numel(), dtype=torch.float32, device=self.device)
-        for layer in range(a.num_layers):
+        for layer in range(profile_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
             key_layer, value_layer = merged_from_source(layer, k)
             key_layer.index_copy_(2, active, a.apply_rope(k, q_cos, q_sin))
@@ -577,8 +585,8 @@ class CacheBlendEngine:
             mass = self._question_attention(a, layer, q_rot[:, :, question_rows], active[question_rows],
                                             key_layer)[:, cached_pos]
             scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
-            if layer == a.num_layers - 1:
-                break  # the last layer's output is not needed
+            if layer == profile_layers - 1:
+                break  # the last profiled layer's output is not needed
             attn = self._partial_attention(a, layer, q_rot, key_layer, value_layer, active, plans, "exact")
             hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
         return _Profile(keys=keys, values=values, question_attention=scores)

@@ -27,7 +27,7 @@ TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 class EngineSlot:
     engine: CacheBlendEngine
     lock: threading.RLock = field(default_factory=threading.RLock)
-    chunk_caches: dict[str | KVStore | None, ChunkCache] = field(default_factory=dict)
+    chunk_caches: dict[tuple[str | KVStore | None, tuple[int, ...]], ChunkCache] = field(default_factory=dict)
 
 
 _registry_lock = threading.Lock()
@@ -78,11 +78,14 @@ def slot_for(engine: CacheBlendEngine) -> EngineSlot:
         return slot
 
 
-def chunk_cache_for(engine: CacheBlendEngine, store: str | KVStore | None) -> ChunkCache:
-    """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``: memory)."""
+def chunk_cache_for(
+    engine: CacheBlendEngine, store: str | KVStore | None, prefix_ids: tuple[int, ...] = ()
+) -> ChunkCache:
+    """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``: memory),
+    computing chunks behind ``prefix_ids``."""
     slot = slot_for(engine)
     with slot.lock:
-        cache = slot.chunk_caches.get(store)
+        cache = slot.chunk_caches.get((store, prefix_ids))
         if cache is None:
-            cache = slot.chunk_caches[store] = ChunkCache(engine, store)
+            cache = slot.chunk_caches[(store, prefix_ids)] = ChunkCache(engine, store, prefix_ids=prefix_ids)
         return cache

@@ -17,6 +17,7 @@ from cacheblend_rag.bench.prompt import (
 from cacheblend_rag.engine.segments import FreshSegment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.testing import tiny_tokenizer
+from cacheblend_rag.prompting import STAND_IN_PASSAGE
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,9 @@ def test_segments_and_conditioning_prefix(tokenizer):
     assert isinstance(plain[0], FreshSegment) and isinstance(plain[-1], FreshSegment)
     assert [s.token_ids for s in plain[1:-1]] == [tuple(c) for c in prompt.chunk_ids]
     assert all(isinstance(s, StoredSegment) and s.prefix_ids == () for s in plain[1:-1])
-    # The conditioning prefix is exactly the text that precedes the passages in the prompt.
-    assert all(s.prefix_ids == tuple(prompt.lead_ids) for s in conditioned[1:-1])
+    # The conditioning prefix is the text that precedes the passages in the prompt, then the stand-in passage.
+    stand_in = tuple(tokenizer(STAND_IN_PASSAGE, add_special_tokens=False)["input_ids"])
+    assert all(s.prefix_ids == tuple(prompt.lead_ids) + stand_in for s in conditioned[1:-1])
 
 
 def test_max_passage_tokens_truncates_text(tokenizer):

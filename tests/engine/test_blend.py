@@ -245,7 +245,9 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
     finally:
         model.set_attn_implementation("sdpa")
     scores = torch.zeros(n_cached)
-    for layer_attention in out.attentions:  # [1, heads, q_len, n]
+    profiled = BlendConfig().resolved_profile_layers(engine.num_layers)
+    assert 0 < profiled < engine.num_layers  # the default profiles the first half of the model
+    for layer_attention in out.attentions[:profiled]:  # [1, heads, q_len, n]
         mass = layer_attention[0].float().sum(dim=1)[:, start:start + n_cached]
         scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
     budget = selection_budget(0.3, n_cached)
@@ -272,3 +274,22 @@ def test_query_profiled_with_early_full_layers_is_exact_at_one_and_differs_below
     partial = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled", check_layer=1))
     reuse = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0))
     assert (partial.logits - full).abs().max() < (reuse.logits - full).abs().max()
+
+
+@pytest.mark.parametrize("profile_layers", [1, 2, 3, 4])
+def test_query_profiled_at_any_profile_depth_is_exact_at_one_and_keeps_its_budget(profile_layers):
+    engine = make_engine("llama")
+    segments, full_ids, chunks = build_prompt(engine)
+    exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, selection="query_profiled",
+                                                      profile_layers=profile_layers))
+    torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)
+    partial = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled",
+                                                        profile_layers=profile_layers))
+    assert partial.stats.recomputed_tokens == selection_budget(0.3, sum(len(c) for c in chunks))
+
+
+def test_profile_layers_beyond_the_model_fails():
+    engine = make_engine("llama")
+    segments, _, _ = build_prompt(engine)
+    with pytest.raises(Exception, match=r"profile_layers=9 is out of range for a model with 4 layers"):
+        engine.blend(segments, config=BlendConfig(selection="query_profiled", profile_layers=9))

@@ -45,7 +45,7 @@ from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment
 from cacheblend_rag.engine.generate import GenerationResult
-from cacheblend_rag.prompting import split_prompt, to_segments
+from cacheblend_rag.prompting import default_conditioning_prefix, split_prompt, to_segments
 from cacheblend_rag.store import ChunkCache, parse_size
 
 from llama_index.llms.cacheblend.runtime import AnnouncedChunks, engine_lock, open_chunk_cache
@@ -93,6 +93,11 @@ class CacheBlendLLM(CustomLLM):
     query_weight: float = Field(default=_BLEND.query_weight, description="Weight of query attention in selection.")
     gradual_expand: float = Field(default=_BLEND.gradual_expand, description="Gradual filtering expansion factor.")
     gate: bool = Field(default=_BLEND.gate, description="Check once per model that ratio 1.0 equals full prefill.")
+    condition_chunks: bool = Field(
+        default=True,
+        description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
+        "than computing each alone, docs/quality.md); False computes each chunk on its own.",
+    )
     gate_tolerance: Optional[float] = Field(default=_BLEND.gate_tolerance, description="Gate tolerance override.")
     fallback_to_full_prefill: bool = Field(
         default=_BLEND.fallback_to_full_prefill,
@@ -156,8 +161,9 @@ class CacheBlendLLM(CustomLLM):
         self._engine = engine
         if chunk_cache is not None and chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
+        prefix = default_conditioning_prefix(engine.tokenizer) if self.condition_chunks else ()
         self._chunk_cache = chunk_cache if chunk_cache is not None else open_chunk_cache(
-            engine, self.store_path, self.store_size_limit
+            engine, self.store_path, self.store_size_limit, prefix_ids=prefix
         )
         self._announced = AnnouncedChunks(self.max_announced_chunks)
 

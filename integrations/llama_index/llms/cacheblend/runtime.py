@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from llama_index.core.schema import BaseNode, MetadataMode
 
@@ -82,9 +82,14 @@ def engine_lock(engine: Any) -> threading.RLock:
         return lock
 
 
-def open_chunk_cache(engine: Any, store_path: str | None, size_limit: int | str | None = None) -> ChunkCache:
-    """Chunk KV kept in memory (``store_path=None``) or in a persistent disk store at ``store_path``."""
+def open_chunk_cache(
+    engine: Any, store_path: str | None, size_limit: int | str | None = None, *, prefix_ids: Sequence[int] = ()
+) -> ChunkCache:
+    """Chunk KV kept in memory (``store_path=None``) or in a persistent disk store at ``store_path``,
+    computed behind ``prefix_ids``."""
     if store_path is None:
-        return ChunkCache(engine, open_store(None, size_limit=size_limit))
-    return ChunkCache(engine, DiskKVStore(store_path, size_limit=None if size_limit is None else parse_size(size_limit)))
+        store = open_store(None, size_limit=size_limit)
+    else:
+        store = DiskKVStore(store_path, size_limit=None if size_limit is None else parse_size(size_limit))
+    return ChunkCache(engine, store, prefix_ids=prefix_ids)
 

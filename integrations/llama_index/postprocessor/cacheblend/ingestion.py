@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any, Sequence
 
 from llama_index.core.bridge.pydantic import Field, model_validator
@@ -32,8 +33,11 @@ class CacheBlendKVPrecompute(TransformComponent):
 
     @model_validator(mode="after")
     def _fill_target(self) -> "CacheBlendKVPrecompute":
-        store = self.llm.store_path or f"memory:{id(self.llm.chunk_cache):x}"
-        self.target = f"{self.llm.engine.fingerprint}@{store}"
+        cache = self.llm.chunk_cache
+        store = self.llm.store_path or f"memory:{id(cache):x}"
+        # The conditioning prefix is part of every chunk key: another prefix must run again.
+        prefix = hashlib.sha256(repr(cache.prefix_ids).encode()).hexdigest()[:16]
+        self.target = f"{self.llm.engine.fingerprint}@{store}#{prefix}"
         return self
 
     @classmethod
