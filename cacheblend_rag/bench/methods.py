@@ -11,7 +11,8 @@ Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO]``.
 - any other registered selection strategy (``sink_aware``, ``query_aware``, ``gradual``, ...):
   the blend with that selection, at every ratio.
 - ``+prefix``: passages are precomputed behind the prompt text that really precedes them
-  (the rendered system turn, the user header and ``Passages:``) instead of behind nothing.
+  (the rendered system turn, the user header and ``Passages:``) and the stand-in passage of
+  ``cacheblend_rag.prompting``, instead of behind nothing.
   Only methods that reuse chunk KV (``full_reuse`` and blends) take it.
 - ``all``: full prefill, prefix caching, full reuse and every registered strategy.
 

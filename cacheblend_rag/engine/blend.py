@@ -485,11 +485,27 @@ class CacheBlendEngine:
                 layers_left=last_layer - layer,
             )
 
+        carried = fresh_pos  # the uncached positions computed in the layers after the choice
+        chosen_up_front = profile is not None and check_layer == 0
+        if chosen_up_front:
+            assert profile is not None
+            # Layer 0's K/V of a token depend on the token alone, so the profile's merged layer 0
+            # already holds every cached token's fresh K/V: choose now, and never compute the rest.
+            ctx = selection_context(0, profile.keys[0][0, :, cached_pos], profile.values[0][0, :, cached_pos], None)
+            ctx.query_attention = lambda: profile.question_attention
+            selected = strategy.select(ctx)
+            if len(profile.keys) == a.num_layers:
+                # Fresh tokens before the first cached one (the template's lead) see only each
+                # other, so the profile computed their K/V exactly in every layer: skip them.
+                carried = fresh_pos[fresh_pos > cached_pos[0]]
+            active = torch.sort(torch.cat([cached_pos[selected], carried])).values
+            hidden = a.embed(ids[active].unsqueeze(0))
+
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
             all_active = active.numel() == n
             phase = "early_layers"
-            if layer == check_layer and not full_reuse:
+            if layer == check_layer and not full_reuse and not chosen_up_front:
                 phase = "check_layer"
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
@@ -502,7 +518,7 @@ class CacheBlendEngine:
                                                                    cached_pos, question_len)
                 selected = strategy.select(ctx)
                 # The check layer's fresh K/V is already computed for every token: keep all of it.
-                restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
+                restrict(torch.sort(torch.cat([cached_pos[selected], carried])).values)
             elif all_active and (selected is None or selected.numel() <= budget):
                 key_layer = a.apply_rope(k, cos_all, sin_all)
                 value_layer = v
@@ -522,7 +538,7 @@ class CacheBlendEngine:
                     narrowed = strategy.refine(selection_context(layer, fresh_k, v[0, :, sel_rel], selected), selected)
                     if narrowed is not None:
                         selected = narrowed
-                        restrict(torch.sort(torch.cat([cached_pos[selected], fresh_pos])).values)
+                        restrict(torch.sort(torch.cat([cached_pos[selected], carried])).values)
             keys.append(key_layer)
             values.append(value_layer)
 
@@ -570,6 +586,7 @@ class CacheBlendEngine:
         hidden = a.embed(ids[active].unsqueeze(0))
         q_cos, q_sin = cos_all[:, active], sin_all[:, active]
         question_rows = slice(active.numel() - question_len, None)
+        lead_rows = slice(0, active.numel() - question_len)
         plans: dict[int | None, list[tuple[slice, int, torch.Tensor | None]]] = {}
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -582,13 +599,20 @@ class CacheBlendEngine:
             keys.append(key_layer)
             values.append(value_layer)
             q_rot = a.apply_rope(q, q_cos, q_sin)
-            mass = self._question_attention(a, layer, q_rot[:, :, question_rows], active[question_rows],
-                                            key_layer)[:, cached_pos]
+            # The question's rows are computed by hand, so their attention weights serve both the
+            # profile and the layer's output; the other fresh rows (the lead) go through SDPA.
+            q_out, probs = self._attention_with_weights(a, layer, q_rot[:, :, question_rows],
+                                                        active[question_rows], key_layer, value_layer)
+            assert q_out is not None
+            mass = probs.sum(dim=2)[0][:, cached_pos]  # [heads, n_cached]
             scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
             if layer == profile_layers - 1:
                 break  # the last profiled layer's output is not needed
-            attn = self._partial_attention(a, layer, q_rot, key_layer, value_layer, active, plans, "exact")
-            hidden = a.mlp_block(layer, hidden + a.attention_output(layer, attn))
+            if lead_rows.stop > 0:
+                lead_out = self._partial_attention(a, layer, q_rot[:, :, lead_rows], key_layer, value_layer,
+                                                   active[lead_rows], plans, "exact")
+                q_out = torch.cat([lead_out, q_out], dim=2)
+            hidden = a.mlp_block(layer, hidden + a.attention_output(layer, q_out))
         return _Profile(keys=keys, values=values, question_attention=scores)
 
     def _partial_attention(self, a, layer, q_rot, key_layer, value_layer, active, plans, mask) -> torch.Tensor:
@@ -605,18 +629,35 @@ class CacheBlendEngine:
         ], dim=2)
 
     @staticmethod
-    def _question_attention(a, layer, q_rot, q_positions, key_layer) -> torch.Tensor:
-        """Attention mass ``[heads, n]`` that the queries ``q_rot`` (at ``q_positions``) pay each key,
-        summed over the queries."""
-        n = key_layer.shape[2]
-        k_rep = key_layer.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
-        scores = (q_rot.float() @ k_rep.float().transpose(-1, -2)) * a.attention_scale(layer)
+    def _attention_with_weights(
+        a, layer, q_rot, q_positions, key_layer, value_layer
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Causal attention of the queries ``q_rot`` (at ``q_positions``) over every key, by hand:
+        the output ``[1, heads, rows, head_dim]`` (``None`` without ``value_layer``) and the
+        weights ``[1, heads, rows, n]``."""
+        _, heads, rows, dim = q_rot.shape
+        kv_heads, n = key_layer.shape[1], key_layer.shape[2]
+        group = heads // kv_heads
+        # Query heads that share a K/V head are stacked as rows, so no K/V copy is made for GQA.
+        stacked = q_rot.float().reshape(1, kv_heads, group * rows, dim)
+        scores = (stacked @ key_layer.float().transpose(-1, -2)).view(1, heads, rows, n) * a.attention_scale(layer)
         key_pos = torch.arange(n, device=q_rot.device)[None, :]
         allowed = key_pos <= q_positions[:, None]
         window = a.sliding_window(layer)
         if window is not None:
             allowed &= key_pos > q_positions[:, None] - window
-        return scores.masked_fill(~allowed, float("-inf")).softmax(-1).sum(dim=2)[0]
+        probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1)
+        if value_layer is None:
+            return None, probs
+        out = (probs.view(1, kv_heads, group * rows, n) @ value_layer.float()).view(1, heads, rows, dim)
+        return out.to(q_rot.dtype), probs
+
+    @classmethod
+    def _question_attention(cls, a, layer, q_rot, q_positions, key_layer) -> torch.Tensor:
+        """Attention mass ``[heads, n]`` that the queries ``q_rot`` (at ``q_positions``) pay each key,
+        summed over the queries."""
+        _, probs = cls._attention_with_weights(a, layer, q_rot, q_positions, key_layer, None)
+        return probs.sum(dim=2)[0]
 
     def _query_attention_fn(self, a, layer, q, key_layer, cos_all, sin_all, cached_pos, question_len):
         """Attention mass from the question (the last fresh segment) to each cached token at ``layer``."""

@@ -245,9 +245,8 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
     finally:
         model.set_attn_implementation("sdpa")
     scores = torch.zeros(n_cached)
-    profiled = BlendConfig().resolved_profile_layers(engine.num_layers)
-    assert 0 < profiled < engine.num_layers  # the default profiles the first half of the model
-    for layer_attention in out.attentions[:profiled]:  # [1, heads, q_len, n]
+    assert BlendConfig().resolved_profile_layers(engine.num_layers) == engine.num_layers  # every layer by default
+    for layer_attention in out.attentions:  # [1, heads, q_len, n]
         mass = layer_attention[0].float().sum(dim=1)[:, start:start + n_cached]
         scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
     budget = selection_budget(0.3, n_cached)
