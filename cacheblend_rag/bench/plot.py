@@ -53,3 +53,48 @@ def _title(document: dict[str, Any]) -> str:
         + (f" (<= {d['max_passage_tokens']} tokens each)" if d["max_passage_tokens"] else "")
         + f"; store: {document['store']['kind']}"
     )
+
+
+def plot_recovery_by_ratio(document: dict[str, Any], path: str | Path) -> Path:
+    """Write a PNG of recovery against recompute ratio: one line per selection strategy, solid when
+    chunks were prefix-conditioned, dashed when not; full reuse's recovery as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blends: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    reuse = []
+    for m in document["methods"]:
+        if m["quality"]["recovery"] is None:
+            continue
+        if m["kind"] == "blend":
+            blends[m["family"]].append(m)
+        elif m["kind"] == "full_reuse":
+            reuse.append(m)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    colors = plt.get_cmap("tab10")
+    strategies = sorted({m["selection"] for members in blends.values() for m in members})
+    for family, members in sorted(blends.items()):
+        members.sort(key=lambda m: m["ratio"])
+        color = colors(strategies.index(members[0]["selection"]) % 10)
+        prefixed = members[0]["prefix_conditioned"]
+        ax.plot([m["ratio"] for m in members], [100 * m["quality"]["recovery"] for m in members],
+                marker="^" if prefixed else "o", linestyle="-" if prefixed else "--", color=color, label=family)
+    for m in reuse:
+        ax.axhline(100 * m["quality"]["recovery"], color="grey", linestyle="-" if m["prefix_conditioned"] else "--",
+                   linewidth=0.8)
+        ax.annotate(m["family"], (0, 100 * m["quality"]["recovery"]), textcoords="offset points", xytext=(2, 3),
+                    fontsize=7, color="grey", xycoords=("axes fraction", "data"))
+    ax.set_xlabel("recompute ratio (share of cached tokens recomputed)")
+    ax.set_ylabel("recovery: 1 - KL(method) / KL(full reuse), %")
+    ax.set_title(_title(document), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: prefix-conditioned",
+              title_fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

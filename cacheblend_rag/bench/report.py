@@ -178,3 +178,42 @@ def describe_run(document: dict[str, Any]) -> str:
         + f"; {mach['cpu']}, {mach['usable_cores']} cores, torch {mach['torch']}, transformers {mach['transformers']}"
         + (f"; commit {document['git']['commit'][:10]}" if document["git"]["commit"] else "")
     )
+
+
+def strategy_grid_table(document: dict[str, Any], reference_family: str = "cacheblend", focus: float = 0.15) -> str:
+    """The quality grid, one row per method family (strategy, with or without prefix conditioning):
+    recovery, gold F1 and examples worse than full reuse at every ratio; KL, top-1 and TTFT
+    relative to ``reference_family`` (plain CacheBlend) at the ``focus`` ratio."""
+    n = document["data"]["examples"]
+    ratios = sorted({m["ratio"] for m in document["methods"] if m["kind"] == "blend"})
+    families: dict[str, dict[float, dict[str, Any]]] = {}
+    for m in document["methods"]:
+        if m["kind"] in ("blend", "full_reuse"):
+            families.setdefault(m["family"], {})[m["ratio"] or 0.0] = m
+    reference = families.get(reference_family, {}).get(focus)
+
+    def at(family: dict[float, dict[str, Any]], ratio: float) -> dict[str, Any] | None:
+        return family.get(ratio) or family.get(0.0)  # full reuse has one entry, at ratio 0
+
+    def joined(family: dict[float, dict[str, Any]], show: Any) -> str:
+        return " / ".join("–" if (m := at(family, r)) is None else show(m["quality"]) for r in ratios)
+
+    ratio_names = " / ".join(f"{r:g}" for r in ratios)
+    header = ["method", f"recovery @ {ratio_names}", f"gold F1 @ {ratio_names}", f"worse than full reuse @ {ratio_names}",
+              f"KL @{focus:g}", f"top-1 @{focus:g}", f"TTFT @{focus:g} (s)", f"TTFT vs {reference_family} @{focus:g}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for name, family in families.items():
+        m = at(family, focus)
+        ttft = None if m is None else m["ttft_s"]["median"]
+        relative = None if ttft is None or reference is None else ttft / reference["ttft_s"]["median"]
+        lines.append("| " + " | ".join([
+            name,
+            joined(family, lambda q: "–" if q["recovery"] is None else f"{100 * q['recovery']:.0f}%"),
+            joined(family, lambda q: _fmt(q["f1"], ".3f")),
+            joined(family, lambda q: "–" if q["worse_than_full_reuse"] is None else f"{q['worse_than_full_reuse']}/{n}"),
+            _fmt(None if m is None else m["quality"]["kl"], ".4f"),
+            _fmt(None if m is None else m["quality"]["top1"], ".3f"),
+            _fmt(ttft, ".3f"),
+            _fmt(relative, ".2f"),
+        ]) + " |")
+    return "\n".join(lines)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from cacheblend_rag.bench import BenchConfig, run_benchmark
-from cacheblend_rag.bench.plot import plot_speedup_vs_kl
-from cacheblend_rag.bench.report import markdown_table, write_json
+from cacheblend_rag.bench.plot import plot_recovery_by_ratio, plot_speedup_vs_kl
+from cacheblend_rag.bench.report import markdown_table, strategy_grid_table, write_json
 from cacheblend_rag.errors import ConfigError
 
 FAST = dict(max_new_tokens=4, teacher_tokens=4, throughput_new_tokens=4, throughput_requests=1, show_progress=False)
@@ -100,6 +100,18 @@ def test_table_and_plot(document, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = write_json(document, tmp_path / "sub" / "r.json")
     assert json.loads(out.read_text())["methods"] == document["methods"]
+
+
+def test_strategy_grid_and_recovery_plot(document, tmp_path):
+    rows = strategy_grid_table(document, focus=0.5).splitlines()
+    assert rows[0].startswith("| method | recovery @ 0.5 / 1 |")
+    by_family = {r.split(" | ")[0].lstrip("| "): r for r in rows[2:]}
+    assert set(by_family) == {"full_reuse", "cacheblend", "sink_aware+prefix"}
+    # Plain CacheBlend is the TTFT reference of its own row; full reuse recovers nothing by definition.
+    assert by_family["cacheblend"].endswith("| 1.00 |")
+    assert by_family["full_reuse"].split(" | ")[1] == "0% / 0%"
+    png = plot_recovery_by_ratio(document, tmp_path / "recovery.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_disk_store(engine, musique_file, tmp_path):
