@@ -115,9 +115,11 @@ class BenchPrompt:
         return (*self.lead_ids, *self.stand_in_ids) if prefix_conditioned else ()
 
     def stored_segments(self, prefix_ids: Sequence[int] = ()) -> list[Segment]:
-        """Segments for ``engine.blend(store=...)``: passages fetched from the chunk store."""
+        """Segments for ``engine.blend(store=...)``: passages fetched from the chunk store. The lead,
+        the same for every question, is stored too, behind nothing: the blend reuses it as an
+        exact prefix (prefix caching of the system prompt, as a serving engine would)."""
         return [
-            FreshSegment(self.lead_ids),
+            StoredSegment(self.lead_ids),
             *(StoredSegment(c, prefix_ids) for c in self.chunk_ids),
             FreshSegment(self.tail_ids),
         ]

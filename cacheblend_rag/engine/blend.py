@@ -67,6 +67,7 @@ class BlendStats:
     reused_tokens: int  # cached tokens whose KV was kept as is
     recomputed_tokens: int  # cached tokens recomputed from the check layer on
     fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
+    exact_tokens: int = 0  # cached tokens that form an exact prefix (reused as is, outside the budget)
     selected_positions: list[int] = field(default_factory=list)
     cache_hits: int = 0
     cache_misses: int = 0
@@ -85,6 +86,7 @@ class BlendStats:
             "reused_tokens": self.reused_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             "fresh_tokens": self.fresh_tokens,
+            "exact_tokens": self.exact_tokens,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "timings": dict(self.timings),
@@ -144,6 +146,21 @@ class _InterleavedSource(CachedKVSource):
     def close(self) -> None:
         for source, _ in self.parts:
             source.close()
+
+
+def _exact_prefix_length(segs: Sequence[Segment]) -> int:
+    """Tokens at the start of the prompt whose cached K/V is exactly what full prefill computes:
+    the leading cached chunks each computed behind exactly the prompt text before it (the
+    first behind nothing, as a cached system prompt is). Prefix caching, in blend terms."""
+    before: list[int] = []
+    for s in segs:
+        if isinstance(s, FreshSegment):
+            break
+        prefix = s.chunk.prefix_ids if isinstance(s, CachedSegment) else s.prefix_ids
+        if tuple(prefix) != tuple(before):
+            break
+        before.extend(s.token_ids)
+    return len(before)
 
 
 def _sync(device: torch.device) -> None:
@@ -316,7 +333,10 @@ class CacheBlendEngine:
             return result
         cfg.validate_for_model(self.adapter.num_layers)
 
-        first_layer = 0 if cfg.recompute_ratio == 0 or get_strategy(cfg.selection).needs_profile else cfg.resolved_check_layer
+        reads_from_start = (
+            cfg.recompute_ratio == 0 or get_strategy(cfg.selection).needs_profile or _exact_prefix_length(segs) > 0
+        )
+        first_layer = 0 if reads_from_start else cfg.resolved_check_layer
         source, hits, misses = self._open_source(segs, store, first_layer)
         try:
             result = self._blend_layers(input_ids, segs, source, cfg, t0)
@@ -405,21 +425,28 @@ class CacheBlendEngine:
         cached_mask = torch.zeros(n, dtype=torch.bool, device=dev)
         chunk_spans: list[tuple[int, int]] = []  # in cached-token index space
         prompt_spans: list[tuple[int, int]] = []  # the same chunks in prompt positions
+        exact_end = _exact_prefix_length(segs)
         offset = cached_offset = 0
         for s in segs:
             length = len(s.token_ids)
             if not isinstance(s, FreshSegment):
                 cached_mask[offset : offset + length] = True
-                chunk_spans.append((cached_offset, cached_offset + length))
+                if offset >= exact_end:
+                    chunk_spans.append((cached_offset, cached_offset + length))
+                    cached_offset += length
                 prompt_spans.append((offset, offset + length))
-                cached_offset += length
             offset += length
-        chunk_lengths = [end - start for start, end in chunk_spans]
-        cached_pos = positions[cached_mask]
+        chunk_lengths = [end - start for start, end in prompt_spans]
+        all_cached_pos = positions[cached_mask]
+        # Cached chunks that open the prompt with no conditioning prefix hold exactly the K/V full
+        # prefill computes (nothing precedes them): they are reused as they are, never chosen, never
+        # recomputed, and outside the budget. That is prefix caching of, say, the system prompt.
+        cached_pos = all_cached_pos[exact_end:]  # the cached tokens that blending may recompute
         fresh_pos = positions[~cached_mask]
         n_cached = int(cached_pos.numel())
         budget = selection_budget(cfg.recompute_ratio, n_cached)
-        full_reuse = cfg.recompute_ratio == 0.0
+        # With nothing to blend (every cached token is an exact prefix), reuse is already exact.
+        full_reuse = cfg.recompute_ratio == 0.0 or n_cached == 0
         strategy = get_strategy(cfg.selection)
         check_layer = cfg.resolved_check_layer
         question_len = len(segs[-1].token_ids)
@@ -448,7 +475,7 @@ class CacheBlendEngine:
                                          merged_from_source, cfg.resolved_profile_layers(a.num_layers))
             timings["profile"] = time.perf_counter() - tick
 
-        active = fresh_pos if full_reuse else positions  # positions whose hidden states we carry
+        active = fresh_pos if full_reuse else positions[exact_end:]  # positions whose hidden states we carry
         hidden = a.embed(ids[active].unsqueeze(0))
         selected: torch.Tensor | None = None  # indices into cached tokens being recomputed
         keys: list[torch.Tensor] = []
@@ -466,17 +493,26 @@ class CacheBlendEngine:
         def profiled(layer: int) -> bool:
             return profile is not None and layer < len(profile.keys)
 
-        def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, among: torch.Tensor | None):
-            """Fresh and cached K/V of the cached tokens (``among`` of them, or all) at ``layer``.
-            With a profile the cached K comes rotated from the merged cache, so the fresh K is
-            rotated too; deviations are norms, which a rotation does not change."""
-            idx = cached_pos if among is None else cached_pos[among]
-            if profiled(layer):
-                cached_k, cached_v = profile.keys[layer][0, :, idx], profile.values[layer][0, :, idx]
+        def merged_layer(layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """The merged cache of ``layer`` before the active tokens are written into it."""
+            if profile is not None and profiled(layer):
+                return profile.keys[layer], profile.values[layer]
+            return merged_from_source(layer, like)
+
+        def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                              cached: tuple[torch.Tensor, torch.Tensor] | None = None) -> SelectionContext:
+            """Fresh and cached K/V of every blendable cached token at ``layer``. ``cached`` (taken from
+            a merged layer before the fresh K/V were written into it) and the profile's merged layers
+            hold rotated keys, so the fresh K is rotated too there; deviations are norms, which a
+            rotation does not change. Otherwise both are read before RoPE."""
+            if cached is not None:
+                cached_k, cached_v = cached
+            elif profiled(layer):
+                assert profile is not None
+                cached_k, cached_v = profile.keys[layer][0, :, cached_pos], profile.values[layer][0, :, cached_pos]
             else:
                 cached_k, cached_v = source.layer(layer)
-                if among is not None:
-                    cached_k, cached_v = cached_k[:, among], cached_v[:, among]
+                cached_k, cached_v = cached_k[:, exact_end:], cached_v[:, exact_end:]
             return SelectionContext(
                 layer=layer, budget=budget, fresh_k=fresh_k, fresh_v=fresh_v,
                 cached_k=cached_k, cached_v=cached_v, chunk_spans=chunk_spans,
@@ -491,7 +527,7 @@ class CacheBlendEngine:
             assert profile is not None
             # Layer 0's K/V of a token depend on the token alone, so the profile's merged layer 0
             # already holds every cached token's fresh K/V: choose now, and never compute the rest.
-            ctx = selection_context(0, profile.keys[0][0, :, cached_pos], profile.values[0][0, :, cached_pos], None)
+            ctx = selection_context(0, profile.keys[0][0, :, cached_pos], profile.values[0][0, :, cached_pos])
             ctx.query_attention = lambda: profile.question_attention
             selected = strategy.select(ctx)
             if len(profile.keys) == a.num_layers:
@@ -507,10 +543,17 @@ class CacheBlendEngine:
             phase = "early_layers"
             if layer == check_layer and not full_reuse and not chosen_up_front:
                 phase = "check_layer"
-                key_layer = a.apply_rope(k, cos_all, sin_all)
-                value_layer = v
-                fresh_k = key_layer[0, :, cached_pos] if profiled(layer) else k[0, :, cached_pos]
-                ctx = selection_context(layer, fresh_k, v[0, :, cached_pos], None)
+                if all_active:
+                    key_layer = a.apply_rope(k, cos_all, sin_all)
+                    value_layer = v
+                    fresh_k = key_layer[0, :, cached_pos] if profiled(layer) else k[0, :, cached_pos]
+                    ctx = selection_context(layer, fresh_k, v[0, :, cached_pos])
+                else:  # an exact prefix is not computed: the merged layer holds it
+                    key_layer, value_layer = merged_layer(layer, k)
+                    cached = (key_layer[0, :, cached_pos].clone(), value_layer[0, :, cached_pos].clone())
+                    key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
+                    value_layer.index_copy_(2, active, v)
+                    ctx = selection_context(layer, key_layer[0, :, cached_pos], value_layer[0, :, cached_pos], cached)
                 if profile is not None:
                     ctx.query_attention = lambda: profile.question_attention
                 elif strategy.needs_query_attention:
@@ -524,18 +567,24 @@ class CacheBlendEngine:
                 value_layer = v
             else:
                 phase = "late_layers" if not full_reuse else "early_layers"
-                if profile is not None and layer < len(profile.keys):
-                    key_layer, value_layer = profile.keys[layer], profile.values[layer]
-                else:
-                    key_layer, value_layer = merged_from_source(layer, k)
+                key_layer, value_layer = merged_layer(layer, k)
+                refining = selected is not None and selected.numel() > budget
+                if refining:  # the cached K (rotated) and V of the still-selected tokens, before they are overwritten
+                    sel_pos = cached_pos[selected]
+                    cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
                 k_rot = a.apply_rope(k, cos_all[:, active], sin_all[:, active])
                 key_layer.index_copy_(2, active, k_rot)
                 value_layer.index_copy_(2, active, v)
-                if selected is not None and selected.numel() > budget:
+                if refining:
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
-                    sel_rel = torch.searchsorted(active, cached_pos[selected])
-                    fresh_k = (k_rot if profiled(layer) else k)[0, :, sel_rel]
-                    narrowed = strategy.refine(selection_context(layer, fresh_k, v[0, :, sel_rel], selected), selected)
+                    sel_rel = torch.searchsorted(active, sel_pos)
+                    ctx = SelectionContext(
+                        layer=layer, budget=budget, fresh_k=k_rot[0, :, sel_rel], fresh_v=v[0, :, sel_rel],
+                        cached_k=cached[0], cached_v=cached[1], chunk_spans=chunk_spans, deviation=cfg.deviation,
+                        sink_tokens=cfg.sink_tokens, query_weight=cfg.query_weight,
+                        gradual_expand=cfg.gradual_expand, layers_left=last_layer - layer,
+                    )
+                    narrowed = strategy.refine(ctx, selected)
                     if narrowed is not None:
                         selected = narrowed
                         restrict(torch.sort(torch.cat([cached_pos[selected], carried])).values)
@@ -564,10 +613,11 @@ class CacheBlendEngine:
         stats = BlendStats(
             mode="full_reuse" if full_reuse else "blend",
             total_tokens=n,
-            cached_tokens=n_cached,
-            reused_tokens=n_cached - recomputed,
+            cached_tokens=int(all_cached_pos.numel()),
+            reused_tokens=int(all_cached_pos.numel()) - recomputed,
             recomputed_tokens=recomputed,
-            fresh_tokens=n - n_cached,
+            fresh_tokens=n - int(all_cached_pos.numel()),
+            exact_tokens=exact_end,
             selected_positions=[] if selected is None else cached_pos[selected].tolist(),
             timings=timings,
         )
@@ -665,7 +715,8 @@ class CacheBlendEngine:
         def compute() -> torch.Tensor:
             n = cos_all.shape[1]
             q_pos = torch.arange(n - question_len, n, device=q.device)
-            q_rot = a.apply_rope(q[:, :, q_pos], cos_all[:, q_pos], sin_all[:, q_pos])
+            # The question is the last fresh segment, so its rows are the last rows of ``q``.
+            q_rot = a.apply_rope(q[:, :, -question_len:], cos_all[:, q_pos], sin_all[:, q_pos])
             return self._question_attention(a, layer, q_rot, q_pos, key_layer).sum(dim=0)[cached_pos]
 
         return compute

@@ -348,8 +348,14 @@ class ChunkCache:
                            self.store.describe(), what, exc)
 
     # ------------------------------------------------------------ precompute
-    def warm(self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False) -> WarmSummary:
-        """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches."""
+    def warm(
+        self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False,
+        prefix_ids: Sequence[int] | None = None,
+    ) -> WarmSummary:
+        """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches,
+        behind ``prefix_ids`` (default: this cache's conditioning prefix; ``()`` for a chunk that
+        opens prompts, such as a system prompt, which is then an exact prefix of the blend)."""
+        prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         summary = WarmSummary()
         todo: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
@@ -357,7 +363,7 @@ class ChunkCache:
             ids = self._ids(item)
             if not ids:
                 continue
-            if ids in seen or self.contains(ids):
+            if ids in seen or self.contains(ids, prefix):
                 summary.present += 1
             else:
                 todo.append(ids)
@@ -366,7 +372,7 @@ class ChunkCache:
         writes: list[Future] = []
         for start in range(0, len(todo), self.batch_size):
             batch = todo[start : start + self.batch_size]
-            chunks = self.engine.prefill_chunks(batch, prefix_ids=self.prefix_ids, batch_size=self.batch_size)
+            chunks = self.engine.prefill_chunks(batch, prefix_ids=prefix, batch_size=self.batch_size)
             # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
             for future in writes:
                 self._tally(summary, future.result())

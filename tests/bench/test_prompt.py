@@ -52,7 +52,9 @@ def test_segments_and_conditioning_prefix(tokenizer):
     prompt = build_prompt(tokenizer, example(), passages=3)
     plain = prompt.stored_segments(prompt.conditioning_prefix(False))
     conditioned = prompt.stored_segments(prompt.conditioning_prefix(True))
-    assert isinstance(plain[0], FreshSegment) and isinstance(plain[-1], FreshSegment)
+    # The lead is stored behind nothing (an exact prefix of every blend); the question stays fresh.
+    assert isinstance(plain[0], StoredSegment) and plain[0].prefix_ids == () and conditioned[0].prefix_ids == ()
+    assert plain[0].token_ids == tuple(prompt.lead_ids) and isinstance(plain[-1], FreshSegment)
     assert [s.token_ids for s in plain[1:-1]] == [tuple(c) for c in prompt.chunk_ids]
     assert all(isinstance(s, StoredSegment) and s.prefix_ids == () for s in plain[1:-1])
     # The conditioning prefix is the text that precedes the passages in the prompt, then the stand-in passage.

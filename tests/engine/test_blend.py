@@ -292,3 +292,50 @@ def test_profile_layers_beyond_the_model_fails():
     segments, _, _ = build_prompt(engine)
     with pytest.raises(Exception, match=r"profile_layers=9 is out of range for a model with 4 layers"):
         engine.blend(segments, config=BlendConfig(selection="query_profiled", profile_layers=9))
+
+
+@pytest.mark.parametrize("strategy", available_strategies())
+def test_cached_lead_is_an_exact_prefix(strategy):
+    """A cached chunk that opens the prompt, computed behind nothing, holds full prefill's own K/V:
+    it is reused as is, never chosen, and left out of the budget."""
+    engine = make_engine("llama")
+    segments, full_ids, chunks = build_prompt(engine)
+    lead = engine.prefill_chunk(segments[0].token_ids)
+    with_cached_lead = [CachedSegment(lead), *segments[1:]]
+    n_lead, n_blendable = len(lead), sum(len(c) for c in chunks)
+    exact = engine.blend(with_cached_lead, config=BlendConfig(recompute_ratio=1.0, selection=strategy))
+    torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)
+    for ratio in (0.0, 0.3):
+        cfg = BlendConfig(recompute_ratio=ratio, selection=strategy)
+        cached = engine.blend(with_cached_lead, config=cfg)
+        fresh = engine.blend(segments, config=cfg)
+        torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-4, rtol=1e-4)
+        assert cached.stats.selected_positions == fresh.stats.selected_positions
+        assert all(p >= n_lead for p in cached.stats.selected_positions)
+        assert cached.stats.recomputed_tokens == selection_budget(ratio, n_blendable)
+        assert cached.stats.cached_tokens == n_lead + n_blendable
+        assert cached.stats.reused_tokens == n_lead + n_blendable - cached.stats.recomputed_tokens
+
+
+def test_a_lead_computed_behind_a_prefix_is_blended_like_any_chunk():
+    engine = make_engine("llama")
+    segments, _, chunks = build_prompt(engine)
+    lead = engine.prefill_chunk(segments[0].token_ids, prefix_ids=engine.tokenize("Note:"))
+    blended = engine.blend([CachedSegment(lead), *segments[1:]], config=BlendConfig(recompute_ratio=0.3))
+    assert blended.stats.recomputed_tokens == selection_budget(0.3, len(lead) + sum(len(c) for c in chunks))
+
+
+def test_chunks_computed_behind_exactly_what_precedes_them_are_exact():
+    engine = make_engine("llama")
+    segments, full_ids, chunks = build_prompt(engine)
+    lead_ids = list(segments[0].token_ids)
+    first = engine.prefill_chunk(chunks[0].token_ids, prefix_ids=lead_ids)  # behind exactly the lead
+    prompt = [CachedSegment(engine.prefill_chunk(lead_ids)), CachedSegment(first), *segments[2:]]
+    blended = engine.blend(prompt, config=BlendConfig(recompute_ratio=0.3))
+    n_exact = len(lead_ids) + len(first)
+    assert blended.stats.recomputed_tokens == selection_budget(0.3, sum(len(c) for c in chunks[1:]))
+    assert all(p >= n_exact for p in blended.stats.selected_positions)
+    # Everything cached but exact: nothing to blend, and the result is full prefill's.
+    only_exact = [CachedSegment(engine.prefill_chunk(lead_ids)), FreshSegment(full_ids[len(lead_ids):])]
+    torch.testing.assert_close(engine.blend(only_exact, config=BlendConfig(recompute_ratio=0.15)).logits,
+                               engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)

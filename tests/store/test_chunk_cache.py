@@ -57,6 +57,20 @@ def test_every_strategy_from_disk_equals_in_memory(engine, disk_cache, stored_pr
     torch.testing.assert_close(result.logits, reference.logits, **EXACT)
 
 
+@pytest.mark.parametrize("selection", ["kv_deviation", "query_profiled"])
+def test_stored_exact_lead_from_disk_equals_in_memory(engine, disk_cache, stored_prompt, selection):
+    stored, in_memory = stored_prompt
+    lead = engine.tokenize("Answer from these notes.\n")
+    disk_cache.warm(TEXTS)
+    disk_cache.warm([lead])
+    config = BlendConfig(recompute_ratio=0.3, selection=selection)
+    result = engine.blend([StoredSegment(lead), *stored], store=disk_cache, config=config)
+    reference = engine.blend([engine.prefill_chunk(lead), *in_memory], config=config)
+    assert (result.stats.cache_hits, result.stats.cache_misses) == (4, 0)
+    assert result.stats.selected_positions == reference.stats.selected_positions
+    torch.testing.assert_close(result.logits, reference.logits, **EXACT)
+
+
 def test_ratio_one_from_the_store_equals_full_prefill(engine, disk_cache, stored_prompt):
     stored, _ = stored_prompt
     disk_cache.warm(TEXTS)
