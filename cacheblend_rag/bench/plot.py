@@ -32,12 +32,21 @@ def plot_speedup_vs_kl(document: dict[str, Any], path: str | Path) -> Path:
             # The legend names the family; a blend's point only needs its ratio.
             label = f"@{m['ratio']:g}" if m["kind"] == "blend" else m["name"]
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=colors(i % 20))
-    ax.set_xlabel("TTFT speedup over full prefill (warm store, median)")
-    ax.set_ylabel("mean teacher-forced KL(full prefill || method), nats")
+    return _finish(fig, ax, document, path, xlabel="TTFT speedup over full prefill (warm store, median)",
+                   ylabel="mean teacher-forced KL(full prefill || method), nats",
+                   legend_title="method (△ prefix-conditioned)")
+
+
+def _finish(fig: Any, ax: Any, document: dict[str, Any], path: str | Path, *, xlabel: str, ylabel: str,
+            legend_title: str) -> Path:
+    """Labels, title, grid and a legend beside the axes; then write the PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(_title(document), fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="method (△ prefix-conditioned)",
-              title_fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title=legend_title, title_fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,15 +95,5 @@ def plot_recovery_by_ratio(document: dict[str, Any], path: str | Path) -> Path:
                    linewidth=0.8)
         ax.annotate(m["family"], (0, 100 * m["quality"]["recovery"]), textcoords="offset points", xytext=(2, 3),
                     fontsize=7, color="grey", xycoords=("axes fraction", "data"))
-    ax.set_xlabel("recompute ratio (share of cached tokens recomputed)")
-    ax.set_ylabel("recovery: 1 - KL(method) / KL(full reuse), %")
-    ax.set_title(_title(document), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="solid: prefix-conditioned",
-              title_fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, document, path, xlabel="recompute ratio (share of cached tokens recomputed)",
+                   ylabel="recovery: 1 - KL(method) / KL(full reuse), %", legend_title="solid: prefix-conditioned")

@@ -109,6 +109,8 @@ class ChatCacheBlend(BaseChatModel):
     Key init args (blending):
         recompute_ratio, check_layer, selection, deviation, mask, gate,
         fallback_to_full_prefill: see ``cacheblend_rag.BlendConfig``.
+        condition_chunks: precompute chunks behind the chat template's lead and a stand-in
+            passage (default ``True``; docs/quality.md).
 
     Key init args (completion):
         max_tokens, temperature (0 is greedy), top_p, top_k, seed, stop, timeout.
