@@ -501,7 +501,7 @@ class CacheBlendEngine:
 
         def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                               cached: tuple[torch.Tensor, torch.Tensor] | None = None) -> SelectionContext:
-            """Fresh and cached K/V of every blendable cached token at ``layer``. ``cached`` (taken from
+            """Fresh and cached K/V of the blendable cached tokens at ``layer``. ``cached`` (taken from
             a merged layer before the fresh K/V were written into it) and the profile's merged layers
             hold rotated keys, so the fresh K is rotated too there; deviations are norms, which a
             rotation does not change. Otherwise both are read before RoPE."""
@@ -578,12 +578,7 @@ class CacheBlendEngine:
                 if refining:
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
                     sel_rel = torch.searchsorted(active, sel_pos)
-                    ctx = SelectionContext(
-                        layer=layer, budget=budget, fresh_k=k_rot[0, :, sel_rel], fresh_v=v[0, :, sel_rel],
-                        cached_k=cached[0], cached_v=cached[1], chunk_spans=chunk_spans, deviation=cfg.deviation,
-                        sink_tokens=cfg.sink_tokens, query_weight=cfg.query_weight,
-                        gradual_expand=cfg.gradual_expand, layers_left=last_layer - layer,
-                    )
+                    ctx = selection_context(layer, k_rot[0, :, sel_rel], v[0, :, sel_rel], cached)
                     narrowed = strategy.refine(ctx, selected)
                     if narrowed is not None:
                         selected = narrowed
