@@ -402,8 +402,10 @@ def example_records(outcomes: list[ExampleOutcome]) -> list[dict[str, Any]]:
 
 def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -> dict[str, Any]:
     """Run the benchmark and return the result document (see docs/benchmark_schema.md)."""
-    from cacheblend_rag.bench.report import build_document
+    from cacheblend_rag.bench.report import build_document, git_info
 
+    # The commit whose code runs; taken now, as a long run can outlive several commits.
+    git = git_info()
     examples = load_musique(config.data, config.n)
     if engine is None:
         engine = CacheBlendEngine.from_pretrained(config.model, device=config.device)
@@ -415,5 +417,5 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -
     return build_document(
         config=config, engine=engine, specs=runner.specs, added=runner.added_specs,
         blend_config=runner.base_blend, store_backend=backend, outcomes=outcomes,
-        summaries=summarize_methods(runner.specs, outcomes), elapsed_s=elapsed,
+        summaries=summarize_methods(runner.specs, outcomes), elapsed_s=elapsed, git=git,
     )

@@ -82,7 +82,9 @@ def build_document(
     outcomes: Sequence[Any],
     summaries: list[dict[str, Any]],
     elapsed_s: float,
+    git: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``git``: :func:`git_info` taken when the run started (the code it ran); now, if not given."""
     prompt_tokens = [o.prompt_tokens for o in outcomes]
     chunk_tokens = [t for o in outcomes for t in o.chunk_tokens]
     added_names = {s.name for s in added}
@@ -93,7 +95,7 @@ def build_document(
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv) if sys.argv else None,
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-        "git": git_info(),
+        "git": git if git is not None else git_info(),
         "machine": machine_info(engine.device),
         "model": {
             "name": engine.model_name,
