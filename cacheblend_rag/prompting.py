@@ -9,6 +9,7 @@ concatenated, so a chunk's tokens are exactly those its cached KV was computed f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -46,13 +47,26 @@ def template_lead(tokenizer: Any) -> str:
     return rendered.split(marker, 1)[0] if marker in rendered else ""
 
 
+_DEFAULT_PREFIXES: "weakref.WeakKeyDictionary[Any, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
 def default_conditioning_prefix(tokenizer: Any) -> list[int]:
-    """What the integrations precompute chunks behind by default: the template lead and the stand-in."""
+    """What the integrations precompute chunks behind by default: the template lead and the stand-in.
+    Remembered per tokenizer: integrations ask on every request."""
+    try:
+        return list(_DEFAULT_PREFIXES[tokenizer])
+    except (KeyError, TypeError):
+        pass
 
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    return conditioning_prefix(tokenize(template_lead(tokenizer)), tokenize)
+    prefix = conditioning_prefix(tokenize(template_lead(tokenizer)), tokenize)
+    try:
+        _DEFAULT_PREFIXES[tokenizer] = tuple(prefix)
+    except TypeError:
+        pass  # not weakly referenceable: computed again next time
+    return prefix
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,8 @@ class PipelinedKVSource(CachedKVSource):
             self._futures[index] = self._executor.submit(self._load, index)
 
     def _load(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-        """Layer ``index`` of every chunk, on the engine's device and dtype (runs on the loader thread)."""
+        """Layer ``index`` of every chunk, on the engine's device (in its dtype on CUDA; as stored on a
+        CPU, where the engine converts while rotating). Runs on the loader thread."""
         stored = [c for c in self.chunks if c.fresh is None]
         blobs = self._fetch(stored, index)
         decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
