@@ -495,7 +495,8 @@ class CacheBlendEngine:
 
         def merged_layer(layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """The merged cache of ``layer`` before the active tokens are written into it."""
-            if profile is not None and profiled(layer):
+            if profiled(layer):
+                assert profile is not None
                 return profile.keys[layer], profile.values[layer]
             return merged_from_source(layer, like)
 

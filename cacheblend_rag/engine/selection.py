@@ -149,7 +149,8 @@ class QueryProfiled(SelectionStrategy):
     """ProphetKV-style, measured over the whole model: a full-reuse pass (only the fresh tokens
     compute, about the cost of full reuse) records the attention the question pays every cached
     token in every layer and head; the tokens it leans on most are recomputed from layer 0.
-    Needs no full check layer, so its one extra pass costs about what CacheBlend's full layer does."""
+    Needs no full check layer, but its pass costs more than that layer: 1.22-1.26x plain
+    CacheBlend's TTFT at the same ratio on MuSiQue (docs/quality.md)."""
 
     name = "query_profiled"
     needs_profile = True
