@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
@@ -685,14 +686,18 @@ class CacheBlendEngine:
         kv_heads, n = key_layer.shape[1], key_layer.shape[2]
         group = heads // kv_heads
         # Query heads that share a K/V head are stacked as rows, so no K/V copy is made for GQA.
-        stacked = q_rot.float().reshape(1, kv_heads, group * rows, dim)
-        scores = (stacked @ key_layer.float().transpose(-1, -2)).view(1, heads, rows, n) * a.attention_scale(layer)
-        key_pos = torch.arange(n, device=q_rot.device)[None, :]
-        allowed = key_pos <= q_positions[:, None]
+        stacked = q_rot.float().reshape(1, kv_heads, group * rows, dim) * a.attention_scale(layer)
+        scores = (stacked @ key_layer.float().transpose(-1, -2)).view(1, heads, rows, n)
         window = a.sliding_window(layer)
+        # Without a window every query sees all keys before the first query, so only the columns
+        # from there on need a mask (for the question, its own few tokens, not all n).
+        first = 0 if window is not None else int(q_positions.min())
+        key_pos = torch.arange(first, n, device=q_rot.device)[None, :]
+        blocked = key_pos > q_positions[:, None]
         if window is not None:
-            allowed &= key_pos > q_positions[:, None] - window
-        probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1)
+            blocked |= key_pos <= q_positions[:, None] - window
+        scores[..., first:].masked_fill_(blocked, float("-inf"))
+        probs = scores.softmax(-1)
         if value_layer is None:
             return None, probs
         out = (probs.view(1, kv_heads, group * rows, n) @ value_layer.float()).view(1, heads, rows, dim)
@@ -761,7 +766,14 @@ class CacheBlendEngine:
     def _make_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
         for layer, (k, v) in enumerate(zip(keys, values)):
-            cache.update(k, v, layer)
+            slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
+            if type(slot) is DynamicLayer and not slot.is_initialized:
+                # A plain layer's first update concatenates onto an empty tensor, which copies the
+                # whole merged layer (~5% of a CPU blend); the merged tensors are ours to hand over.
+                slot.lazy_initialization(k, v)
+                slot.keys, slot.values = k, v
+            else:  # sliding-window and other layer kinds keep their own bookkeeping
+                cache.update(k, v, layer)
         return cache
 
     # ----------------------------------------------------------- full prefill

@@ -122,6 +122,8 @@ def test_bind_and_call_options(engine) -> None:
     blend_override = llm.bind(recompute_ratio=0.0)
     llm.warm(CHUNKS, show_progress=False)
     assert blend_override.invoke(_messages()).response_metadata["mode"] == "full_reuse"
+    assert llm._blend_config({"profile_layers": 2}).profile_layers == 2
+    assert ChatCacheBlend(engine=engine, profile_layers=3)._blend_config({}).profile_layers == 3
 
 
 def test_identifying_and_tracing_params(engine) -> None:
@@ -181,6 +183,8 @@ def test_bad_arguments_say_what_to_fix(engine) -> None:
         ChatCacheBlend(engine=engine, recompute_ratio=1.5)
     with pytest.raises(ValidationError, match="selection"):
         ChatCacheBlend(engine=engine, selection="nope")
+    with pytest.raises(ValidationError, match="profile_layers=0 is out of range"):
+        ChatCacheBlend(engine=engine, profile_layers=0)
     llm = ChatCacheBlend(engine=engine, max_tokens=4)
     with pytest.raises(ValueError, match="unknown call option"):
         llm.invoke("Hello", tools=[])

@@ -430,6 +430,7 @@ def test_bad_store_path_fails_at_construction(engine, tmp_path):
         ("recompute_ratio", 1.5, r"recompute_ratio=1.5 is out of range; allowed range is \[0.0, 1.0\]"),
         ("recompute_ratio", -0.1, r"recompute_ratio=-0.1 is out of range"),
         ("selection", "nope", r"selection='nope' is not supported"),
+        ("profile_layers", 0, r"profile_layers=0 is out of range"),
         ("temperature", -1.0, r"temperature=-1.0 is out of range"),
         ("max_announced_chunks", 0, r"max_announced_chunks"),
         ("store_size_limit", "lots", r"size 'lots' is not understood"),
@@ -438,6 +439,11 @@ def test_bad_store_path_fails_at_construction(engine, tmp_path):
 def test_bad_values_fail_at_construction(engine, field, value, message):
     with pytest.raises(ValidationError, match=message):
         CacheBlendLLM.from_engine(engine, **{field: value})
+
+
+def test_profile_layers_reaches_the_blend_config(engine):
+    assert CacheBlendLLM.from_engine(engine, profile_layers=2).blend_config.profile_layers == 2
+    assert CacheBlendLLM.from_engine(engine).blend_config.profile_layers is None
 
 
 def test_check_layer_beyond_the_model_fails(engine):

@@ -92,6 +92,10 @@ class CacheBlendLLM(CustomLLM):
     sink_tokens: int = Field(default=_BLEND.sink_tokens, description="Tokens at each chunk start always kept.")
     query_weight: float = Field(default=_BLEND.query_weight, description="Weight of query attention in selection.")
     gradual_expand: float = Field(default=_BLEND.gradual_expand, description="Gradual filtering expansion factor.")
+    profile_layers: Optional[int] = Field(
+        default=_BLEND.profile_layers,
+        description="Layers query_profiled's profiling pass runs; None: all (fewer is cheaper and chooses worse).",
+    )
     gate: bool = Field(default=_BLEND.gate, description="Check once per model that ratio 1.0 equals full prefill.")
     condition_chunks: bool = Field(
         default=True,
@@ -216,7 +220,8 @@ class CacheBlendLLM(CustomLLM):
         return BlendConfig(
             recompute_ratio=self.recompute_ratio, check_layer=self.check_layer, deviation=self.deviation,  # type: ignore[arg-type]
             mask=self.mask, selection=self.selection, sink_tokens=self.sink_tokens,  # type: ignore[arg-type]
-            query_weight=self.query_weight, gradual_expand=self.gradual_expand, gate=self.gate,
+            query_weight=self.query_weight, gradual_expand=self.gradual_expand, profile_layers=self.profile_layers,
+            gate=self.gate,
             gate_tolerance=self.gate_tolerance, fallback_to_full_prefill=self.fallback_to_full_prefill,
         )
 
