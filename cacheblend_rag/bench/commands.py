@@ -32,10 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="truncate each passage's text to this many tokens")
 
     methods = parser.add_argument_group("methods")
+    from cacheblend_rag.engine.selection import available_strategies
+
     methods.add_argument(
         "--methods", default=DEFAULT_METHODS,
         help="comma-separated: full_prefill, prefix_caching, full_reuse, cacheblend, any selection strategy "
-             "(kv_deviation, sink_aware, query_aware, gradual), or 'all'; add '+prefix' for chunks precomputed "
+             f"({', '.join(available_strategies())}), or 'all'; add '+prefix' for chunks precomputed "
              "behind the prompt text before the passages, '@RATIO' to pin one ratio",
     )
     methods.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios for every blend method")
