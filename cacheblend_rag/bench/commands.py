@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
+from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 
 
@@ -32,8 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="truncate each passage's text to this many tokens")
 
     methods = parser.add_argument_group("methods")
-    from cacheblend_rag.engine.selection import available_strategies
-
     methods.add_argument(
         "--methods", default=DEFAULT_METHODS,
         help="comma-separated: full_prefill, prefix_caching, full_reuse, cacheblend, any selection strategy "

@@ -769,7 +769,8 @@ class CacheBlendEngine:
             slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
             if type(slot) is DynamicLayer and not slot.is_initialized:
                 # A plain layer's first update concatenates onto an empty tensor, which copies the
-                # whole merged layer (~5% of a CPU blend); the merged tensors are ours to hand over.
+                # whole merged layer (about 0.05 s of a 2,100-token CPU blend); the merged
+                # tensors are ours to hand over.
                 slot.lazy_initialization(k, v)
                 slot.keys, slot.values = k, v
             else:  # sliding-window and other layer kinds keep their own bookkeeping
