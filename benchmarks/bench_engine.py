@@ -1,4 +1,5 @@
-"""TTFT of full prefill against blends at ratios 0, 0.15 and 1.0 (the default selection) and plain CacheBlend at 0.15, on SmolLM2 (prints JSON).
+"""TTFT of full prefill against blends at ratios 0, 0.15 and 1.0 (default selection) and plain
+CacheBlend at 0.15, on SmolLM2 (prints JSON).
 
 A prompt of ``--chunks`` passages of about ``--chunk-tokens`` tokens each, plus a question,
 wrapped in the model's chat template. Passages come from the MuSiQue dev file when it is
