@@ -449,6 +449,10 @@ class CacheBlendEngine:
         # With nothing to blend (every cached token is an exact prefix), reuse is already exact.
         full_reuse = cfg.recompute_ratio == 0.0 or n_cached == 0
         strategy = get_strategy(cfg.selection)
+        if strategy.needs_profile and 0 < n_cached <= budget:
+            # Every cached token is recomputed, so there is nothing to choose and no profile to
+            # run: any strategy picks them all, and deviation does so without a pass of its own.
+            strategy = get_strategy("kv_deviation")
         check_layer = cfg.resolved_check_layer
         question_len = len(segs[-1].token_ids)
         timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}

@@ -147,6 +147,9 @@ def test_selection_is_deterministic_and_exact_at_one(strategy):
     assert torch.equal(first.logits, second.logits)
     exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, selection=strategy))
     torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)
+    # With every cached token recomputed there is nothing to choose: no profiling pass runs.
+    assert exact.stats.timings["profile"] == 0.0
+    assert exact.stats.recomputed_tokens == exact.stats.cached_tokens - exact.stats.exact_tokens
 
 
 def test_sink_aware_includes_each_chunk_start():
