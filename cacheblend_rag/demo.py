@@ -168,8 +168,6 @@ def print_comparison(pairs: Sequence[tuple[Answer, Answer]]) -> None:
     print(f"\nmedian TTFT: CacheBlend {ttft_blend:.3f}s, full prefill {ttft_full:.3f}s "
           f"({ttft_full / ttft_blend:.1f}x faster to the first token)")
     reuse = sum(b.reused_tokens / b.prompt_tokens for b, _ in pairs) / n
-    print(f"\nmean TTFT: CacheBlend {ttft_blend:.3f}s, full prefill {ttft_full:.3f}s "
-          f"({ttft_full / ttft_blend:.1f}x faster to the first token)")
     print(f"mean share of prompt tokens reused from the chunk store: {reuse:.0%}")
     print(f"answers containing the expected phrase: CacheBlend {sum(b.correct for b, _ in pairs)}/{n}, "
           f"full prefill {sum(f.correct for _, f in pairs)}/{n}")
