@@ -773,9 +773,9 @@ class CacheBlendEngine:
             slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
             if type(slot) is DynamicLayer and not slot.is_initialized:
                 # A plain layer's first update concatenates onto an empty tensor, which copies the
-                # whole merged layer (about 0.05 s of a 2,100-token CPU blend); the merged
-                # tensors are ours to hand over.
-                slot.lazy_initialization(k, v)
+                # whole merged layer (about 0.05 s of a 2,100-token CPU blend). An empty update
+                # sets the layer up through its public method; the merged tensors are ours to hand over.
+                cache.update(k[:, :, :0], v[:, :, :0], layer)
                 slot.keys, slot.values = k, v
             else:  # sliding-window and other layer kinds keep their own bookkeeping
                 cache.update(k, v, layer)
