@@ -334,13 +334,12 @@ class CacheBlendEngine:
             return result
         cfg.validate_for_model(self.adapter.num_layers)
 
-        reads_from_start = (
-            cfg.recompute_ratio == 0 or get_strategy(cfg.selection).needs_profile or _exact_prefix_length(segs) > 0
-        )
+        exact_end = _exact_prefix_length(segs)
+        reads_from_start = cfg.recompute_ratio == 0 or get_strategy(cfg.selection).needs_profile or exact_end > 0
         first_layer = 0 if reads_from_start else cfg.resolved_check_layer
         source, hits, misses = self._open_source(segs, store, first_layer)
         try:
-            result = self._blend_layers(input_ids, segs, source, cfg, t0)
+            result = self._blend_layers(input_ids, segs, exact_end, source, cfg, t0)
         finally:
             source.close()
         result.stats.cache_hits, result.stats.cache_misses = hits, misses
@@ -415,8 +414,10 @@ class CacheBlendEngine:
         return _InterleavedSource(parts, order), hits + len(cached), misses
 
     def _blend_layers(
-        self, input_ids: list[int], segs: list[Segment], source: CachedKVSource, cfg: BlendConfig, t0: float
+        self, input_ids: list[int], segs: list[Segment], exact_end: int, source: CachedKVSource,
+        cfg: BlendConfig, t0: float,
     ) -> BlendResult:
+        """``exact_end``: :func:`_exact_prefix_length` of ``segs``."""
         a = self.adapter
         assert a is not None
         dev = self.device
@@ -426,7 +427,6 @@ class CacheBlendEngine:
         cached_mask = torch.zeros(n, dtype=torch.bool, device=dev)
         chunk_spans: list[tuple[int, int]] = []  # in cached-token index space
         prompt_spans: list[tuple[int, int]] = []  # the same chunks in prompt positions
-        exact_end = _exact_prefix_length(segs)
         offset = cached_offset = 0
         for s in segs:
             length = len(s.token_ids)
@@ -498,12 +498,21 @@ class CacheBlendEngine:
         def profiled(layer: int) -> bool:
             return profile is not None and layer < len(profile.keys)
 
-        def merged_layer(layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """The merged cache of ``layer`` before the active tokens are written into it."""
+        def patched_layer(
+            layer: int, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+            """The merged cache of ``layer`` (the profile's, or read from the source) with the active
+            tokens' fresh K (rotated) and V written into it; plus, when ``keep`` names positions, their
+            cached K (rotated) and V from before the write, for a selection to compare against."""
             if profiled(layer):
                 assert profile is not None
-                return profile.keys[layer], profile.values[layer]
-            return merged_from_source(layer, like)
+                key_layer, value_layer = profile.keys[layer], profile.values[layer]
+            else:
+                key_layer, value_layer = merged_from_source(layer, k)
+            cached = None if keep is None else (key_layer[0, :, keep].clone(), value_layer[0, :, keep].clone())
+            key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
+            value_layer.index_copy_(2, active, v)
+            return key_layer, value_layer, cached
 
         def selection_context(layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                               cached: tuple[torch.Tensor, torch.Tensor] | None = None) -> SelectionContext:
@@ -555,10 +564,7 @@ class CacheBlendEngine:
                     fresh_k = key_layer[0, :, cached_pos] if profiled(layer) else k[0, :, cached_pos]
                     ctx = selection_context(layer, fresh_k, v[0, :, cached_pos])
                 else:  # an exact prefix is not computed: the merged layer holds it
-                    key_layer, value_layer = merged_layer(layer, k)
-                    cached = (key_layer[0, :, cached_pos].clone(), value_layer[0, :, cached_pos].clone())
-                    key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
-                    value_layer.index_copy_(2, active, v)
+                    key_layer, value_layer, cached = patched_layer(layer, k, v, keep=cached_pos)
                     ctx = selection_context(layer, key_layer[0, :, cached_pos], value_layer[0, :, cached_pos], cached)
                 if profile is not None:
                     ctx.query_attention = lambda: profile.question_attention
@@ -573,18 +579,12 @@ class CacheBlendEngine:
                 value_layer = v
             else:
                 phase = "late_layers" if not full_reuse else "early_layers"
-                key_layer, value_layer = merged_layer(layer, k)
                 refining = selected is not None and selected.numel() > budget
-                if refining:  # the cached K (rotated) and V of the still-selected tokens, before they are overwritten
-                    sel_pos = cached_pos[selected]
-                    cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
-                k_rot = a.apply_rope(k, cos_all[:, active], sin_all[:, active])
-                key_layer.index_copy_(2, active, k_rot)
-                value_layer.index_copy_(2, active, v)
+                sel_pos = cached_pos[selected] if refining else None
+                key_layer, value_layer, cached = patched_layer(layer, k, v, keep=sel_pos)
                 if refining:
                     # Gradual filtering: compare the still-selected tokens' fresh K/V with the cache.
-                    sel_rel = torch.searchsorted(active, sel_pos)
-                    ctx = selection_context(layer, k_rot[0, :, sel_rel], v[0, :, sel_rel], cached)
+                    ctx = selection_context(layer, key_layer[0, :, sel_pos], value_layer[0, :, sel_pos], cached)
                     narrowed = strategy.refine(ctx, selected)
                     if narrowed is not None:
                         selected = narrowed
