@@ -477,7 +477,8 @@ class CacheBlendEngine:
         if strategy.needs_profile and not full_reuse:
             tick = time.perf_counter()
             profile = self._profile_pass(ids, fresh_pos, cached_pos, question_len, cos_all, sin_all,
-                                         merged_from_source, cfg.resolved_profile_layers(a.num_layers))
+                                         merged_from_source, cfg.resolved_profile_layers(a.num_layers),
+                                         cfg.profile_tokens)
             timings["profile"] = time.perf_counter() - tick
 
         # Positions whose hidden states we carry. Before the check layer that is every position, the
@@ -623,15 +624,28 @@ class CacheBlendEngine:
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 
     def _profile_pass(
-        self, ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source, profile_layers: int
+        self, ids, fresh_pos, cached_pos, question_len, cos_all, sin_all, merged_from_source, profile_layers: int,
+        profile_tokens: int | None = None,
     ) -> "_Profile":
         """Full KV reuse over the first ``profile_layers`` layers (only fresh tokens compute),
         recording the attention the question pays each cached token. Per layer and head the mass
         is normalised over the cached tokens, so heads that mostly attend the fresh lead or the
-        question itself still count."""
+        question itself still count.
+
+        With ``profile_tokens``, only the question's last ``profile_tokens`` tokens run: the earlier
+        ones (on a RAG prompt, mostly the fixed instruction before the question) are left out of
+        the pass altogether, and the kept ones do not see them. The pass is an estimate that only
+        ranks tokens; the blend then computes the whole question exactly."""
         a = self.adapter
         assert a is not None
-        active = fresh_pos
+        dropped = (0, 0)  # positions [start, end) of the question left out of the pass
+        if profile_tokens is not None and profile_tokens < question_len:
+            n_fresh = fresh_pos.numel()
+            dropped = (int(fresh_pos[n_fresh - question_len]), int(fresh_pos[n_fresh - profile_tokens - 1]) + 1)
+            active = torch.cat([fresh_pos[: n_fresh - question_len], fresh_pos[n_fresh - profile_tokens :]])
+            question_len = profile_tokens
+        else:
+            active = fresh_pos
         hidden = a.embed(ids[active].unsqueeze(0))
         q_cos, q_sin = cos_all[:, active], sin_all[:, active]
         question_rows = slice(active.numel() - question_len, None)
@@ -643,6 +657,9 @@ class CacheBlendEngine:
         for layer in range(profile_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
             key_layer, value_layer = merged_from_source(layer, k)
+            # The left-out slots hold whatever the allocation held; masked, but 0 * NaN is NaN.
+            key_layer[:, :, dropped[0] : dropped[1]] = 0
+            value_layer[:, :, dropped[0] : dropped[1]] = 0
             key_layer.index_copy_(2, active, a.apply_rope(k, q_cos, q_sin))
             value_layer.index_copy_(2, active, v)
             keys.append(key_layer)
@@ -651,7 +668,8 @@ class CacheBlendEngine:
             # The question's rows are computed by hand, so their attention weights serve both the
             # profile and the layer's output; the other fresh rows (the lead) go through SDPA.
             q_out, probs = self._attention_with_weights(a, layer, q_rot[:, :, question_rows],
-                                                        active[question_rows], key_layer, value_layer)
+                                                        active[question_rows], key_layer, value_layer,
+                                                        hidden_keys=dropped)
             assert q_out is not None
             mass = probs.sum(dim=2)[0][:, cached_pos]  # [heads, n_cached]
             scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
@@ -679,11 +697,12 @@ class CacheBlendEngine:
 
     @staticmethod
     def _attention_with_weights(
-        a, layer, q_rot, q_positions, key_layer, value_layer
+        a, layer, q_rot, q_positions, key_layer, value_layer, hidden_keys: tuple[int, int] = (0, 0)
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Causal attention of the queries ``q_rot`` (at ``q_positions``) over every key, by hand:
         the output ``[1, heads, rows, head_dim]`` (``None`` without ``value_layer``) and the
-        weights ``[1, heads, rows, n]``."""
+        weights ``[1, heads, rows, n]``. Keys at positions ``[hidden_keys[0], hidden_keys[1])``
+        are masked out for every query."""
         _, heads, rows, dim = q_rot.shape
         kv_heads, n = key_layer.shape[1], key_layer.shape[2]
         group = heads // kv_heads
@@ -699,6 +718,7 @@ class CacheBlendEngine:
         if window is not None:
             blocked |= key_pos <= q_positions[:, None] - window
         scores[..., first:].masked_fill_(blocked, float("-inf"))
+        scores[..., hidden_keys[0] : hidden_keys[1]] = float("-inf")
         probs = scores.softmax(-1)
         if value_layer is None:
             return None, probs

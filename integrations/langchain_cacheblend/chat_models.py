@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 # Standard LangChain parameters that only mean something for hosted models.
 _HOSTED_ONLY_PARAMS = frozenset({"api_key", "base_url", "max_retries"})
 _GENERATION_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_BLEND_OPTIONS = ("recompute_ratio", "check_layer", "selection", "deviation", "mask", "profile_layers")
+_BLEND_OPTIONS = ("recompute_ratio", "check_layer", "selection", "deviation", "mask", "profile_layers",
+                  "profile_tokens")
 _CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *_BLEND_OPTIONS, "timeout", "model"})
 
 
@@ -107,7 +108,7 @@ class ChatCacheBlend(BaseChatModel):
         device, dtype: where and in what precision to load the model.
 
     Key init args (blending):
-        recompute_ratio, check_layer, selection, deviation, mask, profile_layers, gate,
+        recompute_ratio, check_layer, selection, deviation, mask, profile_layers, profile_tokens, gate,
         fallback_to_full_prefill: see ``cacheblend_rag.BlendConfig``.
         condition_chunks: precompute chunks behind the chat template's lead and a stand-in
             passage (default ``True``; docs/quality.md).
@@ -160,6 +161,8 @@ class ChatCacheBlend(BaseChatModel):
     mask: Literal["exact", "bottom_right"] = BlendConfig.mask
     profile_layers: int | None = BlendConfig.profile_layers
     """Layers ``query_profiled``'s profiling pass runs; ``None``: all. Fewer is cheaper and chooses worse."""
+    profile_tokens: int | None = BlendConfig.profile_tokens
+    """The question's last tokens ``query_profiled``'s profiling pass runs; ``None``: the whole question."""
     gate: bool = BlendConfig.gate
     fallback_to_full_prefill: bool = BlendConfig.fallback_to_full_prefill
     condition_chunks: bool = True

@@ -230,12 +230,17 @@ def test_gradual_reaches_budget_even_at_last_check_layer():
         assert engine.blend(segments, config=cfg).stats.recomputed_tokens == round(0.3 * n_cached)
 
 
-def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
+@pytest.mark.parametrize("profile_tokens", [None, 3])
+def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse(profile_tokens):
     """Recompute the profile independently: the model's own eager attention of the question over
-    the full-reuse cache, normalised per layer and head over the cached tokens."""
+    the full-reuse cache, normalised per layer and head over the cached tokens. With
+    ``profile_tokens`` only the question's last tokens run, at their own positions, and never see
+    the question's earlier tokens."""
     engine = make_engine("llama")
     segments, full_ids, chunks = build_prompt(engine)
     n, q_len = len(full_ids), len(segments[-1].token_ids)
+    kept = q_len if profile_tokens is None else profile_tokens
+    assert kept < q_len or profile_tokens is None  # the truncated case must drop something
     start = len(segments[0].token_ids)
     n_cached = sum(len(c) for c in chunks)
     reuse_cache = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0)).cache
@@ -243,8 +248,8 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
     model = engine.model
     model.set_attn_implementation("eager")
     try:
-        out = model(input_ids=torch.tensor([full_ids[n - q_len:]]), cache=reuse_cache,
-                    position_ids=torch.arange(n - q_len, n).unsqueeze(0), output_attentions=True)
+        out = model(input_ids=torch.tensor([full_ids[n - kept:]]), cache=reuse_cache,
+                    position_ids=torch.arange(n - kept, n).unsqueeze(0), output_attentions=True)
     finally:
         model.set_attn_implementation("sdpa")
     scores = torch.zeros(n_cached)
@@ -254,7 +259,8 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse():
         scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
     budget = selection_budget(0.3, n_cached)
     expected = sorted((start + torch.topk(scores, budget).indices).tolist())
-    blended = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled"))
+    blended = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled",
+                                                        profile_tokens=profile_tokens))
     assert blended.stats.selected_positions == expected
     assert blended.stats.timings["profile"] > 0
 
@@ -288,6 +294,22 @@ def test_query_profiled_at_any_profile_depth_is_exact_at_one_and_keeps_its_budge
     partial = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, selection="query_profiled",
                                                         profile_layers=profile_layers))
     assert partial.stats.recomputed_tokens == selection_budget(0.3, sum(len(c) for c in chunks))
+
+
+@pytest.mark.parametrize("profile_tokens", [1, 2, 1000])
+def test_query_profiled_on_part_of_the_question_is_exact_at_one_and_keeps_its_budget(profile_tokens):
+    engine = make_engine("qwen2")
+    segments, full_ids, chunks = build_prompt(engine)
+    exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, profile_tokens=profile_tokens))
+    torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)
+    partial = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3, profile_tokens=profile_tokens))
+    assert partial.stats.recomputed_tokens == selection_budget(0.3, sum(len(c) for c in chunks))
+    assert torch.isfinite(partial.logits).all()
+
+
+def test_profile_tokens_must_be_positive():
+    with pytest.raises(Exception, match=r"profile_tokens=0 is out of range"):
+        BlendConfig(profile_tokens=0)
 
 
 def test_profile_layers_beyond_the_model_fails():

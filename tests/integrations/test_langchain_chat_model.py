@@ -124,6 +124,8 @@ def test_bind_and_call_options(engine) -> None:
     assert blend_override.invoke(_messages()).response_metadata["mode"] == "full_reuse"
     assert llm._blend_config({"profile_layers": 2}).profile_layers == 2
     assert ChatCacheBlend(engine=engine, profile_layers=3)._blend_config({}).profile_layers == 3
+    assert llm._blend_config({"profile_tokens": 5}).profile_tokens == 5
+    assert ChatCacheBlend(engine=engine, profile_tokens=None)._blend_config({}).profile_tokens is None
 
 
 def test_identifying_and_tracing_params(engine) -> None:

@@ -30,6 +30,7 @@ from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBl
 from llama_index.vector_stores.faiss import FaissVectorStore
 from pydantic import ValidationError
 
+from cacheblend_rag import BlendConfig
 from cacheblend_rag.engine import FreshSegment
 from cacheblend_rag.errors import ConfigError, ModelLoadError
 from cacheblend_rag.prompting import split_prompt, to_segments
@@ -431,6 +432,7 @@ def test_bad_store_path_fails_at_construction(engine, tmp_path):
         ("recompute_ratio", -0.1, r"recompute_ratio=-0.1 is out of range"),
         ("selection", "nope", r"selection='nope' is not supported"),
         ("profile_layers", 0, r"profile_layers=0 is out of range"),
+        ("profile_tokens", 0, r"profile_tokens=0 is out of range"),
         ("temperature", -1.0, r"temperature=-1.0 is out of range"),
         ("max_announced_chunks", 0, r"max_announced_chunks"),
         ("store_size_limit", "lots", r"size 'lots' is not understood"),
@@ -444,6 +446,8 @@ def test_bad_values_fail_at_construction(engine, field, value, message):
 def test_profile_layers_reaches_the_blend_config(engine):
     assert CacheBlendLLM.from_engine(engine, profile_layers=2).blend_config.profile_layers == 2
     assert CacheBlendLLM.from_engine(engine).blend_config.profile_layers is None
+    assert CacheBlendLLM.from_engine(engine, profile_tokens=5).blend_config.profile_tokens == 5
+    assert CacheBlendLLM.from_engine(engine).blend_config.profile_tokens == BlendConfig().profile_tokens
 
 
 def test_check_layer_beyond_the_model_fails(engine):

@@ -96,6 +96,10 @@ class CacheBlendLLM(CustomLLM):
         default=_BLEND.profile_layers,
         description="Layers query_profiled's profiling pass runs; None: all (fewer is cheaper and chooses worse).",
     )
+    profile_tokens: Optional[int] = Field(
+        default=_BLEND.profile_tokens,
+        description="The question's last tokens query_profiled's profiling pass runs; None: the whole question.",
+    )
     gate: bool = Field(default=_BLEND.gate, description="Check once per model that ratio 1.0 equals full prefill.")
     condition_chunks: bool = Field(
         default=True,
@@ -221,7 +225,7 @@ class CacheBlendLLM(CustomLLM):
             recompute_ratio=self.recompute_ratio, check_layer=self.check_layer, deviation=self.deviation,  # type: ignore[arg-type]
             mask=self.mask, selection=self.selection, sink_tokens=self.sink_tokens,  # type: ignore[arg-type]
             query_weight=self.query_weight, gradual_expand=self.gradual_expand, profile_layers=self.profile_layers,
-            gate=self.gate,
+            profile_tokens=self.profile_tokens, gate=self.gate,
             gate_tolerance=self.gate_tolerance, fallback_to_full_prefill=self.fallback_to_full_prefill,
         )
 
