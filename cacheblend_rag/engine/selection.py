@@ -149,9 +149,10 @@ class QueryProfiled(SelectionStrategy):
     """ProphetKV-style, measured over the whole model: a full-reuse pass (only the fresh tokens
     compute, about the cost of full reuse) records the attention the question pays every cached
     token in every layer and head; the tokens it leans on most are recomputed from layer 0.
-    Needs no full check layer, but its pass costs more than that layer, and the tokens it picks
-    lie late in the prompt, where a recomputed token attends the most keys: 1.17-1.26x plain
-    CacheBlend's TTFT at the same ratio on MuSiQue (docs/quality.md, "What it costs")."""
+    Needs no full check layer; its pass runs only the question's last ``profile_tokens`` tokens.
+    The tokens it picks lie late in the prompt, where a recomputed token attends the most keys:
+    1.08x plain CacheBlend's TTFT at the same ratio on 2,100-token MuSiQue prompts, 1.17x at
+    6,300 tokens (docs/quality.md, "Cutting the profile's cost")."""
 
     name = "query_profiled"
     needs_profile = True
