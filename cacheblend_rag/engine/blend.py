@@ -440,8 +440,8 @@ class CacheBlendEngine:
         chunk_lengths = [end - start for start, end in prompt_spans]
         all_cached_pos = positions[cached_mask]
         # Cached chunks that open the prompt with no conditioning prefix hold exactly the K/V full
-        # prefill computes (nothing precedes them): they are reused as they are, never chosen, never
-        # recomputed, and outside the budget. That is prefix caching of, say, the system prompt.
+        # prefill computes (nothing precedes them): they are never chosen, never recomputed after the
+        # check layer, and outside the budget. That is prefix caching of, say, the system prompt.
         cached_pos = all_cached_pos[exact_end:]  # the cached tokens that blending may recompute
         fresh_pos = positions[~cached_mask]
         n_cached = int(cached_pos.numel())

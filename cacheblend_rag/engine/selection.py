@@ -151,8 +151,8 @@ class QueryProfiled(SelectionStrategy):
     token in every layer and head; the tokens it leans on most are recomputed from layer 0.
     Needs no full check layer; its pass runs only the question's last ``profile_tokens`` tokens.
     The tokens it picks lie late in the prompt, where a recomputed token attends the most keys:
-    1.08x plain CacheBlend's TTFT at the same ratio on 2,100-token MuSiQue prompts, 1.17x at
-    6,300 tokens (docs/quality.md, "Cutting the profile's cost")."""
+    1.08-1.14x plain CacheBlend's TTFT at the same ratio on 1,100-2,100-token MuSiQue prompts,
+    1.2x at 6,000 tokens (docs/quality.md, "Cutting the profile's cost")."""
 
     name = "query_profiled"
     needs_profile = True
