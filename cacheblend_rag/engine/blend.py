@@ -458,16 +458,15 @@ class CacheBlendEngine:
         timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
         cos_all, sin_all = a.rope_cos_sin(a.embed(ids[:1].unsqueeze(0)), positions.unsqueeze(0))
 
-        unrotated: list[torch.Tensor] = []  # one buffer for every layer's stored keys, before RoPE
+        # One buffer for every layer's stored keys before RoPE; the positions no chunk covers stay zero.
+        raw_keys = torch.zeros((1, a.num_kv_heads, n, a.head_dim), dtype=self.dtype, device=dev)
 
-        def merged_from_source(layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def merged_from_source(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             """Layer ``layer``'s K/V for all n positions, cached chunks rotated into their new places.
-            Positions that no chunk covers hold zeros (rotated): the caller writes them."""
+            The fresh positions, which no chunk covers, hold zeros until the caller writes them (a
+            pass that leaves some unwritten masks them, and 0 * NaN would still be NaN)."""
             parts = source.layer_parts(layer, chunk_lengths)
-            if not unrotated:
-                unrotated.append(torch.zeros((1, a.num_kv_heads, n, a.head_dim), dtype=like.dtype, device=dev))
-            raw_keys = unrotated[0]
-            value_layer = torch.empty_like(raw_keys)
+            value_layer = torch.empty_like(raw_keys).index_fill_(2, fresh_pos, 0)
             for (start, end), (chunk_k, chunk_v) in zip(prompt_spans, parts):
                 raw_keys[0, :, start:end].copy_(chunk_k)
                 value_layer[0, :, start:end].copy_(chunk_v)
@@ -518,7 +517,7 @@ class CacheBlendEngine:
                 assert profile is not None
                 key_layer, value_layer = profile.keys[layer], profile.values[layer]
             else:
-                key_layer, value_layer = merged_from_source(layer, k)
+                key_layer, value_layer = merged_from_source(layer)
             cached = None if keep is None else (key_layer[0, :, keep].clone(), value_layer[0, :, keep].clone())
             key_layer.index_copy_(2, active, a.apply_rope(k, cos_all[:, active], sin_all[:, active]))
             value_layer.index_copy_(2, active, v)
@@ -662,9 +661,7 @@ class CacheBlendEngine:
         scores = torch.zeros(cached_pos.numel(), dtype=torch.float32, device=self.device)
         for layer in range(profile_layers):
             q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
-            key_layer, value_layer = merged_from_source(layer, k)
-            # The left-out slots are masked, but their values hold whatever the allocation held: 0 * NaN is NaN.
-            value_layer[:, :, dropped[0] : dropped[1]] = 0
+            key_layer, value_layer = merged_from_source(layer)
             key_layer.index_copy_(2, active, a.apply_rope(k, q_cos, q_sin))
             value_layer.index_copy_(2, active, v)
             keys.append(key_layer)
