@@ -40,7 +40,8 @@ class BlendConfig:
     check_layer:
         Layer at which the tokens to recompute are chosen. Layers before it are
         recomputed for every token. ``None`` (default) takes the strategy's own:
-        1 for deviation-based strategies, 0 for ``query_profiled``.
+        1 for deviation-based strategies, 0 for ``query_profiled`` (the engine works it
+        out and checks it against the model's depth).
     deviation:
         ``"value"`` (CacheBlend's default) or ``"key"`` deviation ranks tokens.
     mask:
@@ -56,13 +57,13 @@ class BlendConfig:
     profile_layers:
         How many of the first layers ``query_profiled``'s full-reuse pass runs (and scores the
         question's attention in). ``None``: every layer. Fewer make the pass cheaper and the
-        choice worse (docs/quality.md: half the layers lost about 8 points of recovery).
+        choice worse (measured in docs/quality.md).
     profile_tokens:
         How many of the question's last tokens (the last fresh segment) ``query_profiled``'s pass
         runs; the earlier ones are left out of the pass (the blend still computes them all).
-        ``None``: the whole segment. On RAG prompts that segment opens with a fixed instruction;
-        the default 16 made the pass 30-40% cheaper for 0.1 point of recovery on MuSiQue
-        (docs/quality.md, "Cutting the profile's cost").
+        ``None``: the whole segment. On RAG prompts that segment opens with a fixed instruction
+        that tells the pass little; what 16 saves and costs is measured in docs/quality.md
+        ("Cutting the profile's cost").
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:
@@ -99,35 +100,11 @@ class BlendConfig:
             _check_range("profile_tokens", self.profile_tokens, 1, 1_000_000, integer=True)
         if self.gate_tolerance is not None:
             _check_range("gate_tolerance", self.gate_tolerance, 0.0, 1e6)
-        # Imported late: the registry imports engine modules that import this one.
-        from cacheblend_rag.engine.selection import available_strategies
-
-        _check_choice("selection", self.selection, tuple(available_strategies()))
-
-    @property
-    def resolved_check_layer(self) -> int:
-        """``check_layer``, or the selection strategy's default when it is ``None``."""
-        if self.check_layer is not None:
-            return self.check_layer
-        from cacheblend_rag.engine.selection import get_strategy
-
-        return get_strategy(self.selection).default_check_layer
-
-    def resolved_profile_layers(self, num_layers: int) -> int:
-        """``profile_layers``, or ``num_layers`` when it is ``None``."""
-        return min(num_layers, self.profile_layers or num_layers)
-
-    def validate_for_model(self, num_layers: int) -> None:
-        if self.resolved_check_layer >= num_layers:
-            raise ConfigError(
-                f"check_layer={self.resolved_check_layer} is out of range for a model with {num_layers} layers; "
-                f"allowed range is [0, {num_layers - 1}]"
-            )
-        if self.profile_layers is not None and self.profile_layers > num_layers:
-            raise ConfigError(
-                f"profile_layers={self.profile_layers} is out of range for a model with {num_layers} layers; "
-                f"allowed range is [1, {num_layers}]"
-            )
+        # Which strategies exist is the engine's registry (plugins may add some); the engine and the
+        # integrations check the name against it when the config is first used.
+        if not isinstance(self.selection, str) or not self.selection:
+            raise ConfigError(f"selection={self.selection!r} must be the name of a selection strategy, "
+                              "e.g. 'query_profiled' or 'kv_deviation'")
 
     def with_overrides(self, **overrides: Any) -> "BlendConfig":
         return replace(self, **overrides)

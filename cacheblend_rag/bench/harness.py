@@ -175,7 +175,7 @@ class BenchmarkRunner:
             base = base.with_overrides(check_layer=config.check_layer)
         if config.blend_options:
             base = base.with_overrides(**config.blend_options)
-        base.validate_for_model(engine.num_layers)
+        engine.plan(base)
         self.base_blend = base
         self.variants = sorted({s.prefix_conditioned for s in self.specs if s.uses_chunk_cache})
         self.eos_ids = eos_token_ids(engine)

@@ -1,13 +1,21 @@
 """The blending engine: chunk precompute, blend with selective recompute, generation."""
 
-from cacheblend_rag.engine.blend import BlendResult, BlendStats, CacheBlendEngine
+from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
 from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
+from cacheblend_rag.engine.results import BlendResult, BlendStats, KVSourceProvider
 from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, StoredSegment
-from cacheblend_rag.engine.selection import available_strategies, get_strategy, register_strategy
+from cacheblend_rag.engine.selection import (
+    SelectionStrategy,
+    available_strategies,
+    build_strategy,
+    get_strategy,
+    register_strategy,
+)
 
 __all__ = [
     "BlendResult", "BlendStats", "CacheBlendEngine", "CachedKVSource", "CachedSegment", "ChunkKV",
-    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "StoredSegment",
-    "available_strategies", "get_strategy", "register_strategy",
+    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "KVSourceProvider",
+    "SelectionStrategy", "StoredSegment", "available_strategies", "build_strategy", "get_strategy",
+    "register_strategy",
 ]

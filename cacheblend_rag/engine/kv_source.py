@@ -8,11 +8,14 @@ layer ``l + 1`` while layer ``l`` computes (see ``cacheblend_rag.store.loader``)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, Segment, StoredSegment
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.results import KVSourceProvider
 
 
 class CachedKVSource(ABC):
@@ -52,3 +55,54 @@ class InMemoryKVSource(CachedKVSource):
         v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         return (k.to(device=self.device, dtype=self.dtype, non_blocking=True),
                 v.to(device=self.device, dtype=self.dtype, non_blocking=True))
+
+
+class InterleavedKVSource(CachedKVSource):
+    """Cached tokens of several sources, interleaved back into prompt order."""
+
+    def __init__(self, parts: list[tuple[CachedKVSource, list[int]]], order: list[tuple[int, int]]) -> None:
+        # parts: (source, lengths of its chunks in its own order); order: (part index, chunk index) per chunk
+        self.parts = parts
+        self.order = order
+
+    @property
+    def wait_seconds(self) -> float:  # type: ignore[override]
+        return sum(p.wait_seconds for p, _ in self.parts)
+
+    def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        split = [source.layer_parts(index, part_lengths) for source, part_lengths in self.parts]
+        return [split[p][c] for p, c in self.order]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.layer_parts(index, [])
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def close(self) -> None:
+        for source, _ in self.parts:
+            source.close()
+
+
+def open_cached_source(
+    engine: Any, segs: Sequence[Segment], store: "KVSourceProvider | None", first_layer: int
+) -> tuple[CachedKVSource, int, int]:
+    """One source over every cached segment of ``segs`` in prompt order (in-memory chunks and
+    stored ones read through ``store``), with the numbers of cache hits and misses."""
+    cached = [s for s in segs if isinstance(s, CachedSegment)]
+    stored = [s for s in segs if isinstance(s, StoredSegment)]
+    memory = InMemoryKVSource([s.chunk for s in cached], engine.device, engine.dtype) if cached else None
+    if not stored:
+        assert memory is not None
+        return memory, len(cached), 0
+    assert store is not None
+    from_store, hits, misses = store.open_source(engine, stored, first_layer=first_layer)
+    if memory is None:
+        return from_store, hits, misses
+    parts = [(memory, [len(s.token_ids) for s in cached]), (from_store, [len(s.token_ids) for s in stored])]
+    order, counters = [], [0, 0]
+    for s in segs:
+        if isinstance(s, FreshSegment):
+            continue
+        part = 0 if isinstance(s, CachedSegment) else 1
+        order.append((part, counters[part]))
+        counters[part] += 1
+    return InterleavedKVSource(parts, order), hits + len(cached), misses

@@ -1,10 +1,19 @@
-"""Which cached tokens to recompute: pluggable strategies behind a small registry.
+"""Which cached tokens to recompute: strategies, each with its own settings, behind a registry.
 
-A strategy sees, at the check layer, the fresh and the cached K/V of every cached
-token and may ask for the attention that the fresh (question) tokens pay them.
-It returns indices into the cached tokens. Every strategy returns exactly
-``ctx.budget`` indices in the end; a gradual strategy may start with more and
-narrow them over the next layers through :meth:`SelectionStrategy.refine`.
+A strategy declares what it needs from the engine through :attr:`SelectionStrategy.needs`:
+the check layer it chooses at by default, whether it reads the question's attention at
+that layer, and whether it wants a profile (a full-reuse pass before the blend that
+records the question's attention in every layer; ``cacheblend_rag.engine.profile``).
+At its check layer it gets a :class:`SelectionContext` with the fresh and the cached K/V
+of every blendable cached token, and returns indices into them.
+
+Every strategy returns exactly ``ctx.budget`` indices in the end; a gradual strategy may
+start with more and narrow them over the next layers through :meth:`SelectionStrategy.refine`.
+When the budget covers every cached token there is nothing to choose, and the engine
+recomputes them all without asking a strategy.
+
+Strategies are built from a :class:`~cacheblend_rag.config.BlendConfig` by
+:func:`build_strategy` (each takes the fields it uses), or directly with their settings.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from cacheblend_rag.config import BlendConfig, DeviationKind
 from cacheblend_rag.errors import ConfigError
 
 
@@ -24,31 +34,55 @@ def selection_budget(ratio: float, num_cached: int) -> int:
     return min(num_cached, int(round(ratio * num_cached)))
 
 
+@dataclass(frozen=True)
+class ProfileRequest:
+    """A profile pass over the first ``layers`` layers (``None``: all) with the question's last
+    ``question_tokens`` tokens (``None``: all of the last fresh segment)."""
+
+    layers: int | None = None
+    question_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SelectionNeeds:
+    """What a strategy needs the engine to compute before it can choose."""
+
+    check_layer: int = 1  # default check layer; deviation needs 1, as layer 0's K/V depend on the token alone
+    query_attention: bool = False  # the question's attention over the cached tokens at the check layer
+    profile: ProfileRequest | None = None  # the question's attention from a full-reuse pass over many layers
+
+
 @dataclass
 class SelectionContext:
+    """The evidence at one layer about the blendable cached tokens (or, in :meth:`SelectionStrategy.refine`,
+    about the still-selected ones). K is before RoPE, or rotated on both sides: deviations are norms,
+    which a rotation does not change."""
+
     layer: int
     budget: int
-    fresh_k: torch.Tensor  # [kv_heads, n_cached, head_dim], before RoPE
+    fresh_k: torch.Tensor  # [kv_heads, tokens, head_dim]
     fresh_v: torch.Tensor
     cached_k: torch.Tensor
     cached_v: torch.Tensor
     chunk_spans: list[tuple[int, int]]  # [start, end) of each chunk, in cached-token index space
-    deviation: str = "value"
-    sink_tokens: int = 4
-    query_weight: float = 0.5
-    gradual_expand: float = 2.0
     layers_left: int = 0  # layers after this one; a gradual strategy must reach its budget by the last
-    # Attention mass that the fresh query tokens pay each cached token, [n_cached]; computed lazily.
+    # Attention mass that the question pays each cached token, [n_cached]; computed when first asked for.
     query_attention: Callable[[], torch.Tensor] | None = None
 
     @property
     def num_cached(self) -> int:
         return self.cached_v.shape[1]
 
-    def deviation_scores(self) -> torch.Tensor:
-        fresh, cached = (self.fresh_v, self.cached_v) if self.deviation == "value" else (self.fresh_k, self.cached_k)
+    def deviation_scores(self, kind: DeviationKind = "value") -> torch.Tensor:
+        fresh, cached = (self.fresh_v, self.cached_v) if kind == "value" else (self.fresh_k, self.cached_k)
         diff = fresh.float() - cached.float()
         return diff.pow(2).sum(dim=(0, 2))
+
+    def question_attention(self) -> torch.Tensor:
+        if self.query_attention is None:
+            raise RuntimeError("this strategy reads the question's attention, but the engine did not provide it; "
+                               "declare it in the strategy's `needs`")
+        return self.query_attention()
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -67,13 +101,15 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
 
 class SelectionStrategy(ABC):
     name: ClassVar[str]
-    needs_query_attention: ClassVar[bool] = False
-    # A profiling strategy gets ``ctx.query_attention`` from a full-reuse pass over every layer
-    # (see ``CacheBlendEngine._profile_pass``) instead of from the check layer alone.
-    needs_profile: ClassVar[bool] = False
-    # The check layer used when BlendConfig.check_layer is None. Deviation needs layer 1: layer 0's
-    # K/V depend on the token alone, so cached and fresh agree there.
-    default_check_layer: ClassVar[int] = 1
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds()
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "SelectionStrategy":
+        """This strategy with the settings ``cfg`` holds for it."""
+        return cls()
 
     @abstractmethod
     def select(self, ctx: SelectionContext) -> torch.Tensor:
@@ -84,23 +120,36 @@ class SelectionStrategy(ABC):
         return None
 
 
+@dataclass(frozen=True)
 class KVDeviation(SelectionStrategy):
     """CacheBlend as published: the tokens whose V (or K) deviates most at the check layer."""
 
-    name = "kv_deviation"
+    name: ClassVar[str] = "kv_deviation"
+    deviation: DeviationKind = "value"
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "KVDeviation":
+        return cls(deviation=cfg.deviation)
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        return top_indices(ctx.deviation_scores(), ctx.budget)
+        return top_indices(ctx.deviation_scores(self.deviation), ctx.budget)
 
 
+@dataclass(frozen=True)
 class SinkAware(SelectionStrategy):
     """EPIC-style: each chunk's first ``sink_tokens`` are always picked, the rest of the budget by deviation."""
 
-    name = "sink_aware"
+    name: ClassVar[str] = "sink_aware"
+    deviation: DeviationKind = "value"
+    sink_tokens: int = 4
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "SinkAware":
+        return cls(deviation=cfg.deviation, sink_tokens=cfg.sink_tokens)
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        scores = ctx.deviation_scores()
-        sinks = [i for start, end in ctx.chunk_spans for i in range(start, min(end, start + ctx.sink_tokens))]
+        scores = ctx.deviation_scores(self.deviation)
+        sinks = [i for start, end in ctx.chunk_spans for i in range(start, min(end, start + self.sink_tokens))]
         sinks = sinks[: ctx.budget]
         boosted = scores.clone()
         if sinks:
@@ -108,65 +157,88 @@ class SinkAware(SelectionStrategy):
         return top_indices(boosted, ctx.budget)
 
 
+@dataclass(frozen=True)
 class QueryAware(SelectionStrategy):
-    """ProphetKV/A3-style: rank cached tokens by the attention the question pays them,
-    mixed with deviation by ``query_weight`` (1.0 = attention alone)."""
+    """ProphetKV/A3-style: rank cached tokens by the attention the question pays them at the check
+    layer, mixed with deviation by ``query_weight`` (1.0 = attention alone)."""
 
-    name = "query_aware"
-    needs_query_attention = True
+    name: ClassVar[str] = "query_aware"
+    deviation: DeviationKind = "value"
+    query_weight: float = 0.5
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(query_attention=True)
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "QueryAware":
+        return cls(deviation=cfg.deviation, query_weight=cfg.query_weight)
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        assert ctx.query_attention is not None
-        attention = _normalise(ctx.query_attention())
-        if ctx.query_weight < 1.0:
-            score = ctx.query_weight * attention + (1 - ctx.query_weight) * _normalise(ctx.deviation_scores())
+        attention = _normalise(ctx.question_attention())
+        if self.query_weight < 1.0:
+            deviation = _normalise(ctx.deviation_scores(self.deviation))
+            score = self.query_weight * attention + (1 - self.query_weight) * deviation
         else:
             score = attention
         return top_indices(score, ctx.budget)
 
 
+@dataclass(frozen=True)
 class GradualFilter(SelectionStrategy):
-    """The CacheBlend paper's gradual filtering: pick ``gradual_expand`` times the budget
-    at the check layer, then keep the most deviating half at each next layer until the
-    budget is reached."""
+    """The CacheBlend paper's gradual filtering: pick ``expand`` times the budget at the check
+    layer, then keep the most deviating half at each next layer until the budget is reached."""
 
-    name = "gradual"
+    name: ClassVar[str] = "gradual"
+    deviation: DeviationKind = "value"
+    expand: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "GradualFilter":
+        return cls(deviation=cfg.deviation, expand=cfg.gradual_expand)
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        wide = min(ctx.num_cached, int(math.ceil(ctx.budget * ctx.gradual_expand)))
+        wide = min(ctx.num_cached, int(math.ceil(ctx.budget * self.expand)))
         if ctx.layers_left == 0:
             wide = ctx.budget
-        return top_indices(ctx.deviation_scores(), wide)
+        return top_indices(ctx.deviation_scores(self.deviation), wide)
 
     def refine(self, ctx: SelectionContext, current: torch.Tensor) -> torch.Tensor | None:
         if current.numel() <= ctx.budget:
             return None
         keep = ctx.budget if ctx.layers_left == 0 else max(ctx.budget, (current.numel() + 1) // 2)
-        return current[top_indices(ctx.deviation_scores(), keep)]
+        return current[top_indices(ctx.deviation_scores(self.deviation), keep)]
 
 
+@dataclass(frozen=True)
 class QueryProfiled(SelectionStrategy):
     """ProphetKV-style, measured over the whole model: a full-reuse pass (only the fresh tokens
     compute, about the cost of full reuse) records the attention the question pays every cached
     token in every layer and head; the tokens it leans on most are recomputed from layer 0.
-    Needs no full check layer; its pass runs only the question's last ``profile_tokens`` tokens.
-    The tokens it picks lie late in the prompt, where a recomputed token attends the most keys:
-    1.08-1.14x plain CacheBlend's TTFT at the same ratio on 1,100-2,100-token MuSiQue prompts,
-    1.2x at 6,000 tokens (docs/quality.md, "Cutting the profile's cost")."""
+    Needs no full check layer. Its measured cost and quality against plain CacheBlend:
+    docs/quality.md, "What it costs" and "Cutting the profile's cost"."""
 
-    name = "query_profiled"
-    needs_profile = True
-    default_check_layer = 0
+    name: ClassVar[str] = "query_profiled"
+    profile_layers: int | None = None
+    profile_tokens: int | None = 16
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=0, profile=ProfileRequest(self.profile_layers, self.profile_tokens))
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "QueryProfiled":
+        return cls(profile_layers=cfg.profile_layers, profile_tokens=cfg.profile_tokens)
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        assert ctx.query_attention is not None
-        return top_indices(ctx.query_attention(), ctx.budget)
+        return top_indices(ctx.question_attention(), ctx.budget)
 
 
-_REGISTRY: dict[str, Callable[[], SelectionStrategy]] = {}
+_REGISTRY: dict[str, type[SelectionStrategy]] = {}
 
 
 def register_strategy(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
+    """Make ``BlendConfig(selection=cls.name)`` build ``cls.from_config(config)``."""
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -179,8 +251,20 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_strategy(name: str) -> SelectionStrategy:
+def strategy_class(name: str) -> type[SelectionStrategy]:
     try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ConfigError(f"selection={name!r} is not registered; choose one of {available_strategies()}") from None
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"selection={name!r} is not supported; choose one of {', '.join(map(repr, available_strategies()))}"
+        ) from None
+
+
+def build_strategy(cfg: BlendConfig) -> SelectionStrategy:
+    """The strategy ``cfg.selection`` names, with the settings ``cfg`` holds for it."""
+    return strategy_class(cfg.selection).from_config(cfg)
+
+
+def get_strategy(name: str) -> SelectionStrategy:
+    """The strategy registered as ``name``, with its default settings."""
+    return strategy_class(name)()

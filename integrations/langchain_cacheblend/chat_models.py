@@ -38,7 +38,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
-from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.engine import CacheBlendEngine, build_strategy
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.prompting import default_conditioning_prefix, split_prompt, to_segments_in_context
@@ -223,7 +223,7 @@ class ChatCacheBlend(BaseChatModel):
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatCacheBlend":
         # Build the configs once so a bad value fails here, with the config's own message.
-        self._blend_config({})
+        build_strategy(self._blend_config({}))
         self._generation_config({}, None)
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")

@@ -253,7 +253,7 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse(prof
     finally:
         model.set_attn_implementation("sdpa")
     scores = torch.zeros(n_cached)
-    assert BlendConfig().resolved_profile_layers(engine.num_layers) == engine.num_layers  # every layer by default
+    assert BlendConfig().profile_layers is None  # every layer by default
     for layer_attention in out.attentions:  # [1, heads, q_len, n]
         mass = layer_attention[0].float().sum(dim=1)[:, start:start + n_cached]
         scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
@@ -266,11 +266,21 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse(prof
 
 
 def test_check_layer_defaults_to_the_strategys_own():
-    assert BlendConfig(selection="kv_deviation").resolved_check_layer == 1
-    assert BlendConfig(selection="query_profiled").resolved_check_layer == 0
-    assert BlendConfig(selection="query_profiled", check_layer=2).resolved_check_layer == 2
+    engine = make_engine("llama")
+    assert engine.plan(BlendConfig(selection="kv_deviation"))[1] == 1
+    assert engine.plan(BlendConfig(selection="query_profiled"))[1] == 0
+    assert engine.plan(BlendConfig(selection="query_profiled", check_layer=2))[1] == 2
     # Switching strategy on a config keeps following the strategy when check_layer was left unset.
-    assert BlendConfig(selection="query_profiled").with_overrides(selection="gradual").resolved_check_layer == 1
+    assert engine.plan(BlendConfig(selection="query_profiled").with_overrides(selection="gradual"))[1] == 1
+
+
+def test_unknown_strategy_is_refused_where_the_config_is_first_used():
+    engine = make_engine("llama")
+    segments, _, _ = build_prompt(engine)
+    with pytest.raises(Exception, match=r"selection='nope' is not supported; choose one of"):
+        engine.blend(segments, config=BlendConfig(selection="nope"))
+    with pytest.raises(Exception, match=r"selection='nope' is not supported"):
+        tiny_engine("llama", config=BlendConfig(selection="nope"))
 
 
 def test_query_profiled_with_early_full_layers_is_exact_at_one_and_differs_below():

@@ -66,11 +66,19 @@ def test_check_layer_out_of_range(engine):
 
 @pytest.mark.parametrize(
     "field, value, message",
-    [("mask", "causal", "mask"), ("deviation", "both", "deviation"), ("selection", "magic", "selection")],
+    [("mask", "causal", "mask"), ("deviation", "both", "deviation"), ("selection", "", "selection"),
+     ("selection", 3, "selection")],
 )
 def test_bad_choices(field, value, message):
     with pytest.raises(ConfigError, match=message):
         BlendConfig(**{field: value})
+
+
+def test_unregistered_strategy_fails_when_an_engine_takes_the_config(engine):
+    """Strategies are an open registry of the engine's, so the config checks only that a name is
+    given; the engine checks it against the registry, naming what is registered."""
+    with pytest.raises(ConfigError, match=r"selection='magic' is not supported; choose one of .*'kv_deviation'"):
+        CacheBlendEngine(engine.model, engine.tokenizer, config=BlendConfig(selection="magic"))
 
 
 def test_bad_generation_options(engine):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CorrectnessGateError
-from cacheblend_rag.engine import blend as blend_module
+from cacheblend_rag.engine import gate
 from cacheblend_rag.testing import tiny_engine
 
 
@@ -25,9 +25,9 @@ def test_gate_passes_and_is_memoised():
     engine = tiny_engine("llama", seed=101)
     engine.blend(_prompt(engine))
     key = (engine.fingerprint, str(engine.device))
-    assert blend_module._GATE_RESULTS[key][0] is True
+    assert gate.RESULTS[key][0] is True
     calls = []
-    engine._run_gate = lambda cfg: calls.append(cfg) or (True, 0.0)
+    engine.run_gate = lambda cfg: calls.append(cfg) or (True, 0.0)
     engine.blend(_prompt(engine))
     assert calls == []
 

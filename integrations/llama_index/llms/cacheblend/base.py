@@ -43,7 +43,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
-from cacheblend_rag.engine import CacheBlendEngine, FreshSegment
+from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, build_strategy
 from cacheblend_rag.engine.generate import GenerationResult
 from cacheblend_rag.prompting import default_conditioning_prefix, split_prompt, to_segments
 from cacheblend_rag.store import ChunkCache, parse_size
@@ -165,7 +165,7 @@ class CacheBlendLLM(CustomLLM):
                 self.model, config=self.blend_config, device=self.device, dtype=self.dtype
             )
         elif engine.adapter is not None:
-            self.blend_config.validate_for_model(engine.adapter.num_layers)
+            engine.plan(self.blend_config)
         self._engine = engine
         if chunk_cache is not None and chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
@@ -215,7 +215,7 @@ class CacheBlendLLM(CustomLLM):
     @model_validator(mode="after")
     def _configs_are_valid(self) -> "CacheBlendLLM":
         # ConfigError is a ValueError, so pydantic reports it with the field, value and allowed range.
-        self.blend_config
+        build_strategy(self.blend_config)
         self.generation_config
         return self
 

@@ -1,0 +1,69 @@
+"""The correctness gate: before a model's first blend, check that the layer-wise path reproduces it.
+
+No reference implementation checks this (LMCache issue 4666), and an adapter that misses one
+detail of an architecture would blend wrong answers without a sign. So on first use of a
+model (per fingerprint and device) a short synthetic prompt of two chunks is blended at ratio
+1.0 and compared with the model's own forward. The result is remembered per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.errors import CorrectnessGateError
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.blend import CacheBlendEngine
+
+logger = logging.getLogger(__name__)
+
+# fingerprint/device -> (passed, relative error)
+RESULTS: dict[tuple[str, str], tuple[bool, float]] = {}
+
+
+def tolerance(engine: "CacheBlendEngine", cfg: BlendConfig) -> float:
+    """``cfg.gate_tolerance``, else what the compute dtype can hold: a relative error of 1e-3 in
+    float32 and 5e-2 in 16-bit (bfloat16 keeps 8 bits of mantissa, a relative step of 0.4%,
+    and a 30-layer model accumulates several such roundings per logit)."""
+    if cfg.gate_tolerance is not None:
+        return cfg.gate_tolerance
+    return 1e-3 if engine.dtype == torch.float32 else 5e-2
+
+
+def passed(engine: "CacheBlendEngine", cfg: BlendConfig) -> bool:
+    """Whether ``engine`` may blend. A failed gate raises :class:`CorrectnessGateError`, or, with
+    ``cfg.fallback_to_full_prefill``, logs a warning and returns ``False``."""
+    key = (engine.fingerprint, f"{engine.device}")
+    if key not in RESULTS:
+        RESULTS[key] = engine.run_gate(cfg)
+    ok, err = RESULTS[key]
+    if ok:
+        return True
+    message = (
+        f"correctness gate failed for {engine.model_name}: blending at ratio 1.0 differs from full "
+        f"prefill by {err:.3g} (tolerance {tolerance(engine, cfg):.3g}). Blending would give wrong "
+        "answers; use BlendConfig(fallback_to_full_prefill=True) to serve with full prefill"
+    )
+    if cfg.fallback_to_full_prefill:
+        logger.warning(message)
+        return False
+    raise CorrectnessGateError(message)
+
+
+def run(engine: "CacheBlendEngine", cfg: BlendConfig, check_layer: int) -> tuple[bool, float]:
+    """Blend a short synthetic prompt at ratio 1.0 and compare with the model's own prefill."""
+    vocab = engine.model.config.get_text_config(decoder=True).vocab_size
+    ids = [(17 + 7919 * i) % vocab for i in range(48)]
+    prefix, chunk_a, chunk_b, suffix = ids[:6], ids[6:22], ids[22:40], ids[40:]
+    chunks = engine.prefill_chunks([chunk_a, chunk_b])
+    exact = BlendConfig(recompute_ratio=1.0, check_layer=min(check_layer, engine.num_layers - 1), gate=False)
+    blended = engine.blend([prefix, chunks[0], chunks[1], suffix], config=exact).logits.float()
+    reference = engine.full_prefill(ids).logits.float()
+    err = float((blended - reference).abs().max() / reference.abs().max().clamp(min=1.0))
+    ok = err <= tolerance(engine, cfg)
+    logger.info("correctness gate for %s: relative error %.3g, passed=%s", engine.model_name, err, ok)
+    return ok, err

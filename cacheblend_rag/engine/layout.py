@@ -1,0 +1,124 @@
+"""Where every token of a blended prompt comes from, and a layer's K/V assembled from the chunks.
+
+A prompt is a run of segments. :class:`PromptLayout` turns them into positions: which
+are fresh (computed from scratch), which are cached, and which cached ones form an exact
+prefix (cached K/V that full prefill would compute too). :class:`MergedLayers` assembles
+one layer's K/V for all positions from the cached chunks, rotated into their places.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cacheblend_rag.engine.kv_source import CachedKVSource
+from cacheblend_rag.engine.segments import CachedSegment, FreshSegment, Segment
+from cacheblend_rag.models.adapters import DecoderAdapter
+
+
+def exact_prefix_length(segs: Sequence[Segment]) -> int:
+    """Tokens at the start of the prompt whose cached K/V is exactly what full prefill computes:
+    the leading cached chunks each computed behind exactly the prompt text before it (the
+    first behind nothing, as a cached system prompt is). Prefix caching, in blend terms."""
+    before: list[int] = []
+    for s in segs:
+        if isinstance(s, FreshSegment):
+            break
+        prefix = s.chunk.prefix_ids if isinstance(s, CachedSegment) else s.prefix_ids
+        if tuple(prefix) != tuple(before):
+            break
+        before.extend(s.token_ids)
+    return len(before)
+
+
+@dataclass
+class PromptLayout:
+    """Positions of a prompt by origin. Cached positions after the exact prefix are the ones a
+    blend may recompute; the budget is counted among them."""
+
+    input_ids: list[int]
+    ids: torch.Tensor  # [n] token ids
+    positions: torch.Tensor  # [n] 0..n-1
+    fresh_pos: torch.Tensor  # positions with no cached K/V, sorted
+    all_cached_pos: torch.Tensor  # every cached position, sorted
+    cached_pos: torch.Tensor  # cached positions after the exact prefix: the blendable ones
+    exact_end: int  # length of the exact prefix
+    prompt_spans: list[tuple[int, int]]  # every cached chunk, [start, end) in prompt positions
+    chunk_spans: list[tuple[int, int]]  # blendable chunks, [start, end) among the blendable cached tokens
+    question_len: int  # tokens of the last fresh segment
+
+    @classmethod
+    def of(cls, segs: Sequence[Segment], device: torch.device) -> "PromptLayout":
+        input_ids = [t for s in segs for t in s.token_ids]
+        n = len(input_ids)
+        exact_end = exact_prefix_length(segs)
+        positions = torch.arange(n, device=device)
+        cached_mask = torch.zeros(n, dtype=torch.bool, device=device)
+        chunk_spans: list[tuple[int, int]] = []
+        prompt_spans: list[tuple[int, int]] = []
+        offset = cached_offset = 0
+        for s in segs:
+            length = len(s.token_ids)
+            if not isinstance(s, FreshSegment):
+                cached_mask[offset : offset + length] = True
+                if offset >= exact_end:
+                    chunk_spans.append((cached_offset, cached_offset + length))
+                    cached_offset += length
+                prompt_spans.append((offset, offset + length))
+            offset += length
+        all_cached_pos = positions[cached_mask]
+        return cls(
+            input_ids=input_ids, ids=torch.tensor(input_ids, dtype=torch.long, device=device), positions=positions,
+            fresh_pos=positions[~cached_mask], all_cached_pos=all_cached_pos, cached_pos=all_cached_pos[exact_end:],
+            exact_end=exact_end, prompt_spans=prompt_spans, chunk_spans=chunk_spans,
+            question_len=len(segs[-1].token_ids),
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_cached(self) -> int:
+        """Blendable cached tokens (the exact prefix is not counted)."""
+        return int(self.cached_pos.numel())
+
+    @property
+    def chunk_lengths(self) -> list[int]:
+        return [end - start for start, end in self.prompt_spans]
+
+
+class MergedLayers:
+    """One layer's K/V for all positions: the cached chunks, read from ``source``, with their keys
+    rotated to the positions they hold in this prompt. The fresh positions, which no chunk covers,
+    hold zeros until the caller writes them (a pass that leaves some unwritten masks them, and
+    0 * NaN would still be NaN)."""
+
+    def __init__(
+        self, a: DecoderAdapter, layout: PromptLayout, source: CachedKVSource,
+        cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+    ) -> None:
+        self.a = a
+        self.layout = layout
+        self.source = source
+        self.cos, self.sin = cos, sin
+        # One buffer for every layer's stored keys before RoPE; the positions no chunk covers stay zero.
+        self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n, a.head_dim), dtype=dtype, device=cos.device)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        parts = self.source.layer_parts(layer, layout.chunk_lengths)
+        value_layer = torch.empty_like(self._raw_keys).index_fill_(2, layout.fresh_pos, 0)
+        for (start, end), (chunk_k, chunk_v) in zip(layout.prompt_spans, parts):
+            self._raw_keys[0, :, start:end].copy_(chunk_k)
+            value_layer[0, :, start:end].copy_(chunk_v)
+        # One rotation of the whole layer: per-chunk rotations cost about twice as much on a CPU,
+        # where each of their many small operations pays its own dispatch.
+        return self.a.apply_rope(self._raw_keys, self.cos, self.sin), value_layer
+
+    def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blendable cached tokens' K (before RoPE) and V at ``layer``, ``[kv_heads, n_cached, head_dim]``."""
+        k, v = self.source.layer(layer)
+        return k[:, self.layout.exact_end :], v[:, self.layout.exact_end :]

@@ -1,0 +1,67 @@
+"""What a blend returns, and what it needs from a store. A leaf: imports nothing of the engine's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import torch
+from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.kv_source import CachedKVSource
+    from cacheblend_rag.engine.segments import StoredSegment
+
+
+@dataclass
+class BlendStats:
+    mode: str  # "blend", "full_reuse" or "full_prefill"
+    total_tokens: int
+    cached_tokens: int  # tokens that came with cached KV
+    reused_tokens: int  # cached tokens whose KV was kept as is
+    recomputed_tokens: int  # cached tokens recomputed from the check layer on
+    fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
+    exact_tokens: int = 0  # cached tokens that form an exact prefix (reused as is, outside the budget)
+    selected_positions: list[int] = field(default_factory=list)
+    cache_hits: int = 0
+    cache_misses: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    fallback_reason: str | None = None
+
+    @property
+    def reuse_fraction(self) -> float:
+        return self.reused_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "total_tokens": self.total_tokens,
+            "cached_tokens": self.cached_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "fresh_tokens": self.fresh_tokens,
+            "exact_tokens": self.exact_tokens,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "timings": dict(self.timings),
+            "fallback_reason": self.fallback_reason,
+        }
+
+
+@dataclass
+class BlendResult:
+    logits: torch.Tensor  # [vocab], for the token after the prompt
+    cache: DynamicCache  # ready for decoding at position len(input_ids)
+    input_ids: list[int]
+    stats: BlendStats
+
+
+class KVSourceProvider(Protocol):
+    """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
+
+    def open_source(
+        self, engine: Any, segments: Sequence["StoredSegment"], *, first_layer: int = 0
+    ) -> tuple["CachedKVSource", int, int]:
+        """Returns the source (stored chunks concatenated in order), hits and misses.
+        ``first_layer`` is the first layer the blend will read, so a loader can fetch it first."""
+        ...
