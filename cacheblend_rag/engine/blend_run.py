@@ -71,7 +71,7 @@ class BlendRun:
         self.chosen_up_front = False
         # Before the check layer every position is carried, the exact prefix too: its few tokens cost
         # little, and a query set that starts at position 0 runs as one causal attention instead of
-        # masked groups (about 1.4x faster per useful FLOP on a CPU).
+        # masked groups (faster per useful FLOP on a CPU; measured in docs/design.md, "Blend").
         self.active = layout.fresh_pos if self.full_reuse else layout.positions
         self.hidden = a.embed(layout.ids[self.active].unsqueeze(0))
         self.q: torch.Tensor | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from cacheblend_rag.engine.blend import CacheBlendEngine
     from cacheblend_rag.engine.segments import SegmentLike
 
+R = TypeVar("R")
+
 
 def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
     """A transformers cache holding each layer's merged K (rotated) and V, for the model's own forward."""
@@ -27,7 +29,7 @@ def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[tor
         slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
         if type(slot) is DynamicLayer and not slot.is_initialized:
             # A plain layer's first update concatenates onto an empty tensor, which copies the
-            # whole merged layer (about 0.05 s of a 2,100-token CPU blend). An empty update
+            # whole merged layer (docs/design.md, "Blend", step 5, has its cost). An empty update
             # sets the layer up through its public method; the merged tensors are ours to hand over.
             cache.update(k[:, :, :0], v[:, :, :0], layer)
             slot.keys, slot.values = k, v
@@ -107,10 +109,12 @@ def eos_token_ids(engine: "CacheBlendEngine") -> set[int]:
     return ids
 
 
-class GenerationStream:
-    """Iterates over text deltas as tokens are decoded; :meth:`result` drains it and returns the totals."""
+class TextStream(Generic[R]):
+    """Iterates over text deltas as tokens are decoded; :meth:`result` drains it and returns the totals,
+    which the producing generator leaves in ``holder["result"]`` once it is done. :meth:`close`
+    stops the producer early (a decode stops at its next token)."""
 
-    def __init__(self, iterator: Iterator[str], holder: dict[str, GenerationResult]) -> None:
+    def __init__(self, iterator: Iterator[str], holder: dict[str, R]) -> None:
         self._iterator = iterator
         self._holder = holder
 
@@ -120,10 +124,18 @@ class GenerationStream:
     def __next__(self) -> str:
         return next(self._iterator)
 
-    def result(self) -> GenerationResult:
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+
+    def result(self) -> R:
         for _ in self._iterator:
             pass
         return self._holder["result"]
+
+
+GenerationStream = TextStream[GenerationResult]
 
 
 def _merge_generation(generation: GenerationConfig | None, overrides: dict[str, Any]) -> GenerationConfig:

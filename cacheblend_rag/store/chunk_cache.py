@@ -98,6 +98,7 @@ class ChunkCache:
         self.storage_dtype = storage_dtype
         self.prefetch = prefetch
         self.write_back = write_back
+        self.closed = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-writer")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -401,6 +402,7 @@ class ChunkCache:
 
     def close(self) -> None:
         """Finish background writes; close the store if this cache opened it from a spec."""
+        self.closed = True
         self.flush()
         self._writer.shutdown(wait=True)
         if self._owns_store:

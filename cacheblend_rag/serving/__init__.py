@@ -1,0 +1,20 @@
+"""The serving layer both integrations stand on: shared settings, engines and locks, chunk texts,
+and one path from a rendered prompt to a blended answer. The integrations are framework glue on top.
+
+* :mod:`~cacheblend_rag.serving.settings`: :class:`CacheBlendSettings`, the pydantic fields both expose;
+* :mod:`~cacheblend_rag.serving.registry`: one engine per model, one lock per engine, one chunk cache
+  per engine and store;
+* :mod:`~cacheblend_rag.serving.chunks`: the normal form of a chunk's text and the announced texts;
+* :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
+"""
+
+from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_text, chunk_texts
+from cacheblend_rag.serving.registry import EngineSlot, chunk_cache_for, shared_engine, slot_for
+from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
+from cacheblend_rag.serving.settings import BLEND_FIELDS, CacheBlendSettings, unknown_names_error
+
+__all__ = [
+    "AnnouncedChunks", "BLEND_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
+    "Served", "ServedStream", "chunk_cache_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
+    "unknown_names_error",
+]

@@ -1,0 +1,105 @@
+"""Engines, locks and chunk caches shared by every integration object of a process.
+
+Loading a model takes seconds and its chunk KV takes memory, so LLMs and chat models that
+name the same model (and device and dtype) share one engine, and those on the same engine
+and store share one chunk cache. Each engine has one lock, whichever framework uses it:
+a torch model is not re-entrant, its tokenizer is not safe to call from two threads at
+once, and one CPU or GPU gains nothing from interleaving two decodes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.store import ChunkCache, KVStore, open_store
+
+# Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
+TINY_MODEL_PREFIX = "tiny-"
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+ChunkCacheKey = tuple[Any, tuple[int, ...], Any]
+
+
+@dataclass
+class EngineSlot:
+    """An engine with the lock that serialises its use and its chunk caches, one per store and prefix."""
+
+    engine: CacheBlendEngine
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    chunk_caches: dict[ChunkCacheKey, ChunkCache] = field(default_factory=dict)
+
+
+_registry_lock = threading.Lock()
+_engines: dict[tuple[str, str | None, str | None], CacheBlendEngine] = {}
+_slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.WeakKeyDictionary()
+
+
+def is_tiny_model_name(model: str) -> bool:
+    return model.startswith(TINY_MODEL_PREFIX) and not os.path.exists(model)
+
+
+def _load(model: str, device: str | None, dtype: str | None) -> CacheBlendEngine:
+    if is_tiny_model_name(model):
+        from cacheblend_rag.testing import tiny_engine
+
+        arch = model[len(TINY_MODEL_PREFIX):]
+        if arch not in TINY_ARCHITECTURES:
+            raise ConfigError(
+                f"model={model!r} is not a known tiny test model; choose one of "
+                f"{', '.join(TINY_MODEL_PREFIX + a for a in TINY_ARCHITECTURES)}, or pass a real model"
+            )
+        engine = tiny_engine(arch)
+        if device is not None:
+            engine.model.to(device)
+            engine.device = next(engine.model.parameters()).device
+        return engine
+    name_or_path = None if model == DEFAULT_MODEL_NAME else model
+    # Loaded for any settings: an architecture without an adapter is refused (or served by full
+    # prefill) by each integration object according to its own fallback_to_full_prefill.
+    return CacheBlendEngine.from_pretrained(name_or_path, device=device, dtype=dtype,
+                                            config=BlendConfig(fallback_to_full_prefill=True))
+
+
+def shared_engine(model: str, *, device: str | None = None, dtype: str | None = None) -> CacheBlendEngine:
+    """The process-wide engine for ``model`` on ``device`` in ``dtype`` (loaded on first use).
+    ``model`` is the embedded model's name, a folder, a ``.gguf`` file, a hub id or ``tiny-<arch>``."""
+    key = (model, device, dtype)
+    with _registry_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = _load(model, device, dtype)
+        return engine
+
+
+def slot_for(engine: CacheBlendEngine) -> EngineSlot:
+    """The lock and chunk caches that go with ``engine`` (also for engines built by the caller)."""
+    with _registry_lock:
+        slot = _slots.get(engine)
+        if slot is None:
+            slot = _slots[engine] = EngineSlot(engine)
+        return slot
+
+
+def chunk_cache_for(
+    engine: CacheBlendEngine, store: str | KVStore | None, *, prefix_ids: Sequence[int] = (),
+    size_limit: int | str | None = None,
+) -> ChunkCache:
+    """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``:
+    memory), computing chunks behind ``prefix_ids``; one per engine, store and prefix."""
+    slot = slot_for(engine)
+    prefix = tuple(int(t) for t in prefix_ids)
+    key = (store, prefix, size_limit)
+    with slot.lock:
+        cache = slot.chunk_caches.get(key)
+        if cache is None or cache.closed:  # a user closed it (to flush writes, say): open it anew
+            opened = store if isinstance(store, KVStore) else open_store(store, size_limit=size_limit)
+            cache = slot.chunk_caches[key] = ChunkCache(engine, opened, prefix_ids=prefix)
+        return cache

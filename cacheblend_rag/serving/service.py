@@ -1,0 +1,124 @@
+"""BlendService: a rendered prompt in, a blended answer out. What both integrations call.
+
+Frameworks hand a model one rendered prompt string. The retrieval side has told the service
+which chunk texts prompts will contain (:meth:`BlendService.announce`); the service finds
+them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
+cache, everything else fresh), blends and decodes, holding the engine's lock throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
+from cacheblend_rag.engine.generate import TextStream
+from cacheblend_rag.engine.segments import Segment
+from cacheblend_rag.prompting import split_prompt, to_segments_in_context
+from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
+from cacheblend_rag.serving.registry import slot_for
+from cacheblend_rag.store import ChunkCache, WarmSummary
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt as segments, with what was found of the announced chunks."""
+
+    segments: list[Segment]
+    chunks_found: int
+    chunks_missing: int  # texts of the latest announcement the prompt lacks verbatim
+    reason: str | None  # why no chunk KV is reused, when none is
+
+
+@dataclass
+class Served:
+    """A finished request: the engine's result and the prompt it answered."""
+
+    result: GenerationResult
+    prompt: PreparedPrompt
+    model: str
+    recompute_ratio: float
+
+    def stats(self) -> dict[str, Any]:
+        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``)."""
+        stats = self.result.stats_dict()
+        stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
+                     recompute_ratio=self.recompute_ratio, model=self.model)
+        if stats.get("fallback_reason") is None and stats["mode"] == "full_prefill":
+            stats["fallback_reason"] = self.prompt.reason
+        return stats
+
+
+# Text deltas of one request, produced under the engine's lock; ``result()`` after the last one.
+ServedStream = TextStream[Served]
+
+
+class BlendService:
+    """One engine, its chunk cache and the chunk texts announced to one integration object."""
+
+    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks) -> None:
+        if chunk_cache.engine is not engine:
+            raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
+        self.engine = engine
+        self.chunk_cache = chunk_cache
+        self.announced = announced
+        self.lock = slot_for(engine).lock
+
+    # ------------------------------------------------------------- chunks
+    def announce(self, texts: Iterable[str]) -> list[str]:
+        """Tell the service that coming prompts may contain these chunk texts verbatim."""
+        return self.announced.announce(texts)
+
+    def warm(self, texts: Iterable[str], *, show_progress: bool = False) -> WarmSummary:
+        """Compute and store the KV of each chunk text the store lacks."""
+        kept = chunk_texts(texts)
+        with self.lock:
+            return self.chunk_cache.warm(kept, show_progress=show_progress)
+
+    # ------------------------------------------------------------- prompts
+    def prepare(self, prompt: str, *, reuse: bool = True) -> PreparedPrompt:
+        """``prompt`` as segments: announced chunk texts found verbatim become stored chunks (computed
+        behind the cache's prefix), everything else fresh text, with the ids the whole prompt
+        tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model)."""
+        if not reuse:
+            return PreparedPrompt([FreshSegment(self.engine.tokenize(prompt))], 0, 0,
+                                  "chunk KV reuse is off (reuse_chunk_kv=False)")
+        split = split_prompt(prompt, self.announced.known())
+        segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
+        found = set(split.found)
+        return PreparedPrompt(
+            segments=segments,
+            chunks_found=len(split.found),
+            # Chunks of the latest announcement that this prompt lacks verbatim (changed by a template,
+            # truncated, or, in refine mode, simply handled by another call).
+            chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
+            reason=None if split.found else "no announced chunk text appears verbatim in the prompt",
+        )
+
+    # ------------------------------------------------------------- answers
+    def stream(
+        self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True
+    ) -> ServedStream:
+        """Text deltas of the answer, produced under the engine's lock; ``close()`` stops it early."""
+        holder: dict[str, Served] = {}
+        return TextStream(self._deltas(prompt, generation, blend, reuse, holder), holder)
+
+    def generate(self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True) -> Served:
+        return self.stream(prompt, generation, blend, reuse=reuse).result()
+
+    def _deltas(
+        self, prompt: str, generation: GenerationConfig, blend: BlendConfig, reuse: bool, holder: dict[str, Served]
+    ) -> Iterator[str]:
+        with self.lock:
+            prepared = self.prepare(prompt, reuse=reuse)
+            stream = self.engine.stream(prepared.segments, generation, config=blend, store=self.chunk_cache)
+            deltas = iter(stream)
+            try:
+                yield from deltas
+                result = stream.result()
+            finally:
+                close = getattr(deltas, "close", None)
+                if close is not None:
+                    close()
+        holder["result"] = Served(result, prepared, self.engine.model_name, blend.recompute_ratio)

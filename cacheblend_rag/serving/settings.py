@@ -1,0 +1,203 @@
+"""The settings both integrations share, declared once as pydantic fields.
+
+``CacheBlendLLM`` (LlamaIndex) and ``ChatCacheBlend`` (LangChain) inherit
+:class:`CacheBlendSettings` beside their framework's base class, so they expose the same
+fields with the same defaults, validated the same way: every :class:`~cacheblend_rag.BlendConfig`
+field, which model and where chunk KV lives. Unknown keywords are an error that suggests the
+closest known one. Generation settings keep each framework's own names (``max_new_tokens``
+in LlamaIndex, ``max_tokens`` in LangChain) and live in the integrations.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine import CacheBlendEngine, build_strategy
+from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.prompting import default_conditioning_prefix
+from cacheblend_rag.serving.chunks import AnnouncedChunks
+from cacheblend_rag.serving.registry import chunk_cache_for, shared_engine
+from cacheblend_rag.serving.service import BlendService
+from cacheblend_rag.store import ChunkCache, parse_size
+
+_DEFAULTS = BlendConfig()
+# Every BlendConfig field is exposed, under its own name; calls may override them too.
+BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
+
+
+def unknown_names_error(owner: str, unknown: list[str], allowed: set[str], what: str = "argument") -> ValueError:
+    """``owner got unknown argument(s) 'x' (did you mean 'y'?)``."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(allowed), 1)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return ValueError(f"{owner} got unknown {what}(s) {', '.join(hints)}")
+
+
+class CacheBlendSettings(BaseModel):
+    """Which model, where its chunk KV lives, and how prompts are blended."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    # Standard parameters of hosted models that a subclass accepts and ignores.
+    _ignored_init_args: ClassVar[frozenset[str]] = frozenset()
+
+    # --- which model, and where chunk KV lives
+    model: str = Field(
+        default=DEFAULT_MODEL_NAME,
+        description="The embedded 'SmolLM2-135M-Instruct' (default, offline), a model folder, a .gguf file, a hub "
+        "id, or 'tiny-<llama|mistral|qwen2|qwen3>' (tiny random models for tests).",
+    )
+    engine: Optional[CacheBlendEngine] = Field(
+        default=None, exclude=True, repr=False,
+        description="An engine built by the caller, used instead of loading `model` (which then defaults to its name).",
+    )
+    chunk_cache: Optional[ChunkCache] = Field(
+        default=None, exclude=True, repr=False,
+        description="A chunk cache of `engine` to use instead of opening `store_path`.",
+    )
+    store_path: Optional[str] = Field(
+        default=None,
+        description="Where chunk KV lives: a folder (disk store), 'memory', 'tiered:PATH[,SPEC]' or 'redis://...' "
+        "(cacheblend_rag.store.open_store); None keeps it in memory. Objects on one engine and store share it.",
+    )
+    store_size_limit: Optional[Union[int, str]] = Field(
+        default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'); None: unbounded."
+    )
+    device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
+    dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
+    condition_chunks: bool = Field(
+        default=True,
+        description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
+        "than computing each alone, docs/quality.md); False computes each chunk on its own.",
+    )
+    reuse_chunk_kv: bool = Field(
+        default=True, description="False answers every prompt by full prefill of the whole prompt (a baseline)."
+    )
+    max_announced_chunks: int = Field(
+        default=4096, ge=1, description="How many announced chunk texts are remembered (least recent dropped)."
+    )
+
+    # --- BlendConfig (cacheblend_rag.config.BlendConfig has their full meaning)
+    recompute_ratio: float = Field(default=_DEFAULTS.recompute_ratio, description="Share of cached tokens recomputed.")
+    check_layer: Optional[int] = Field(
+        default=_DEFAULTS.check_layer,
+        description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",
+    )
+    deviation: str = Field(default=_DEFAULTS.deviation, description="'value' or 'key' deviation ranks tokens.")
+    mask: str = Field(default=_DEFAULTS.mask, description="'exact' or 'bottom_right' attention mask for recompute.")
+    selection: str = Field(default=_DEFAULTS.selection, description="Registered token-selection strategy.")
+    sink_tokens: int = Field(default=_DEFAULTS.sink_tokens, description="Tokens at each chunk start sink_aware keeps.")
+    query_weight: float = Field(default=_DEFAULTS.query_weight, description="Weight of attention in query_aware.")
+    gradual_expand: float = Field(default=_DEFAULTS.gradual_expand, description="gradual's expansion factor.")
+    profile_layers: Optional[int] = Field(
+        default=_DEFAULTS.profile_layers,
+        description="Layers query_profiled's profiling pass runs; None: all (fewer is cheaper and chooses worse).",
+    )
+    profile_tokens: Optional[int] = Field(
+        default=_DEFAULTS.profile_tokens,
+        description="The question's last tokens query_profiled's profiling pass runs; None: the whole question.",
+    )
+    gate: bool = Field(default=_DEFAULTS.gate, description="Check once per model that ratio 1.0 equals full prefill.")
+    gate_tolerance: Optional[float] = Field(default=_DEFAULTS.gate_tolerance, description="Gate tolerance override.")
+    fallback_to_full_prefill: bool = Field(
+        default=_DEFAULTS.fallback_to_full_prefill,
+        description="Serve with full prefill when the architecture is unsupported or the gate fails.",
+    )
+
+    _service: BlendService = PrivateAttr()
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments_only(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = {k: v for k, v in values.items() if k not in cls._ignored_init_args}
+        allowed = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise unknown_names_error(cls.__name__, unknown, allowed)
+        if values.get("model") is None:
+            engine = values.get("engine")
+            values["model"] = engine.model_name if engine is not None else DEFAULT_MODEL_NAME
+        return values
+
+    @field_validator("store_path")
+    @classmethod
+    def _store_path_is_usable(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        value = os.fspath(value)
+        if "://" in value or value == "memory" or value.split(":", 1)[0] in ("memory", "tiered", "disk"):
+            return value  # opened (and checked) by open_store
+        folder = Path(value).expanduser()
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            what = "is not a folder" if not existing.is_dir() else "is not writable"
+            raise ValueError(
+                f"store_path={value!r} cannot hold a chunk KV store: {existing} {what}; pass a folder this "
+                "process can create and write, or store_path=None to keep chunk KV in memory"
+            )
+        return str(folder)
+
+    @field_validator("store_size_limit")
+    @classmethod
+    def _size_limit_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
+        if value is not None and parse_size(value) < 1:
+            raise ValueError(f"store_size_limit={value!r} must be a positive size, e.g. 2GB, or None for no bound")
+        return value
+
+    @model_validator(mode="after")
+    def _validate_then_open(self) -> "CacheBlendSettings":
+        # ConfigError is a ValueError, so pydantic reports it with the field, value and allowed range.
+        build_strategy(self.blend_config)
+        self._validate_settings()
+        # Only now, with every setting checked, is the model loaded (seconds) and the store opened.
+        self._service = self._open_service()
+        self.engine.plan(self.blend_config)  # the check layer against this model's depth
+        return self
+
+    def _validate_settings(self) -> None:
+        """Checks of a subclass's own settings, run before the model is loaded."""
+
+    def _open_service(self) -> BlendService:
+        if self.engine is None:
+            self.engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
+        engine = self.engine
+        if engine.adapter is None and not self.fallback_to_full_prefill:
+            raise UnsupportedArchitectureError(
+                f"{engine.unsupported_reason}; set fallback_to_full_prefill=True to serve this model "
+                "with full prefill (no KV reuse)"
+            )
+        if self.chunk_cache is None:
+            prefix = default_conditioning_prefix(engine.tokenizer) if self.condition_chunks else ()
+            self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
+                                               size_limit=self.store_size_limit)
+        return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks))
+
+    # ------------------------------------------------------------------ configs
+    @property
+    def blend_config(self) -> BlendConfig:
+        return BlendConfig(**{name: getattr(self, name) for name in BLEND_FIELDS})
+
+    def blend_config_with(self, overrides: dict[str, Any]) -> BlendConfig:
+        """This object's blend config with per-call ``overrides`` (BlendConfig fields) applied."""
+        config = self.blend_config.with_overrides(**overrides) if overrides else self.blend_config
+        build_strategy(config)
+        return config
+
+    @property
+    def service(self) -> BlendService:
+        return self._service
+
+
+__all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "unknown_names_error"]

@@ -1,0 +1,292 @@
+"""ChatCacheBlend: a LangChain chat model that answers with CacheBlend.
+
+How a call works:
+
+1. The messages are rendered with the model's chat template into one prompt string.
+2. The core's serving layer (:class:`cacheblend_rag.serving.BlendService`, shared with the
+   LlamaIndex integration) finds the chunk texts this model was told about (by
+   :class:`~langchain_cacheblend.CacheBlendRetriever` or :meth:`ChatCacheBlend.warm`) verbatim,
+   looks them up in the chunk cache (computed on a miss), blends with selective recompute,
+   and decodes token by token. Where the tokenizer allows, the pieces keep the ids the whole
+   prompt tokenizes to, so a blend at ratio 1.0 reproduces the plain model exactly.
+
+With no known chunk in the prompt this is plain full prefill, so the model also
+works as an ordinary local chat model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, ClassVar, Iterable, Iterator
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+
+from cacheblend_rag.concurrency import iterate_in_thread
+from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.serving import BLEND_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.store import WarmSummary
+from langchain_cacheblend._messages import render_prompt
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model"})
+
+
+@dataclass
+class _CallSettings:
+    generation: GenerationConfig
+    blend: BlendConfig
+    timeout: float | None
+
+
+class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
+    """Local chat model that reuses precomputed KV caches of retrieved chunks (CacheBlend).
+
+    Setup:
+        ``pip install -e .[langchain]`` in the cacheblend-rag repository (see its README).
+
+    Key init args (model):
+        model: ``"SmolLM2-135M-Instruct"`` (default, embedded and offline), a local model
+            folder, a ``.gguf`` file or a hub id. ``"tiny-llama"``, ``"tiny-mistral"``,
+            ``"tiny-qwen2"`` and ``"tiny-qwen3"`` name the tiny random models of
+            ``cacheblend_rag.testing`` (fast tests; their answers are gibberish).
+        engine: an already built ``CacheBlendEngine`` to use instead of loading ``model``.
+        store_path: folder of a persistent chunk KV store (any ``cacheblend_rag.store.open_store``
+            spec also works, e.g. ``"tiered:PATH"`` or ``"redis://..."``); unset keeps chunk KV
+            in memory. Chat models on the same engine and store share one chunk cache.
+        device, dtype: where and in what precision to load the model.
+
+    Key init args (blending):
+        recompute_ratio, check_layer, selection, deviation, mask, profile_layers, profile_tokens, gate,
+        fallback_to_full_prefill: see ``cacheblend_rag.BlendConfig``.
+        condition_chunks: precompute chunks behind the chat template's lead and a stand-in
+            passage (default ``True``; docs/quality.md).
+
+    Key init args (completion):
+        max_tokens, temperature (0 is greedy), top_p, top_k, seed, stop, timeout.
+
+    Instantiate:
+        .. code-block:: python
+
+            from langchain_cacheblend import ChatCacheBlend, CacheBlendRetriever
+
+            llm = ChatCacheBlend(recompute_ratio=0.15, max_tokens=64)
+            retriever = CacheBlendRetriever(retriever=vectorstore.as_retriever(), llm=llm)
+
+    Invoke:
+        .. code-block:: python
+
+            msg = llm.invoke("What is the capital of France?")
+            msg.response_metadata["ttft_s"], msg.response_metadata["reused_tokens"]
+
+    Every call (also per call through ``bind``) accepts ``max_tokens``, ``temperature``,
+    ``top_p``, ``top_k``, ``seed``, ``timeout`` and the blending options above.
+    ``response_metadata`` carries the blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
+    ``reused_tokens``, ``recomputed_tokens``, ``fresh_tokens``, ``cache_hits``,
+    ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
+    ``usage_metadata`` counts tokens, with ``input_token_details["cache_read"]`` the prompt
+    tokens whose cached KV was reused as is.
+
+    ``api_key``, ``base_url`` and ``max_retries``, standard parameters of hosted models, are
+    accepted and ignored; any other unknown argument is an error.
+    """
+
+    # Standard parameters of hosted models: accepted, and they mean nothing for a local model.
+    _ignored_init_args: ClassVar[frozenset[str]] = frozenset({"api_key", "base_url", "max_retries"})
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = None
+    """Seconds one call may take, checked as tokens are decoded; a longer call raises ``TimeoutError``."""
+    streaming: bool = False
+    """Generate through the streaming path on ``invoke`` too (token callbacks fire)."""
+
+    def _validate_settings(self) -> None:
+        # Build the configs once so a bad value fails here, with the config's own message.
+        self._generation_config({}, None)
+        if self.timeout is not None and self.timeout <= 0:
+            raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
+
+    # ------------------------------------------------------------- LangChain glue
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "store_path": self.store_path,
+            **{name: getattr(self, name) for name in (*BLEND_FIELDS, *_GENERATION_OPTIONS)},
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        model = kwargs.get("model")
+        params = LangSmithParams(
+            ls_provider="cacheblend",
+            ls_model_name=model if isinstance(model, str) else self.model,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens:
+            params["ls_max_tokens"] = max_tokens
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = stop
+        return params
+
+    # ------------------------------------------------------------------ engine
+    def get_engine(self) -> CacheBlendEngine:
+        """The engine (shared with other chat models and LLMs naming the same model)."""
+        assert self.engine is not None
+        return self.engine
+
+    @property
+    def known_chunk_texts(self) -> list[str]:
+        """Chunk texts this model looks for in its prompts, oldest first."""
+        return self.service.announced.known()
+
+    def announce_chunks(self, texts: Iterable[str | Document]) -> None:
+        """Tell the model that coming prompts may contain these chunk texts verbatim."""
+        self.service.announce(_texts_of(texts))
+
+    def forget_chunks(self) -> None:
+        """Stop looking for any announced chunk text (cached KV stays in the chunk cache)."""
+        self.service.announced.clear()
+
+    def warm(self, items: Iterable[str | Document], *, show_progress: bool = True) -> WarmSummary:
+        """Precompute the KV of chunks not yet cached, and announce them all."""
+        texts = _texts_of(items)
+        summary = self.service.warm(texts, show_progress=show_progress)
+        self.announce_chunks(texts)
+        return summary
+
+    # ---------------------------------------------------------------- settings
+    def _blend_config(self, options: dict[str, Any]) -> BlendConfig:
+        return self.blend_config_with({k: v for k, v in options.items() if k in BLEND_FIELDS})
+
+    def _generation_config(self, options: dict[str, Any], stop: list[str] | None) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=options.get("max_tokens", self.max_tokens),
+            temperature=options.get("temperature", self.temperature),
+            top_p=options.get("top_p", self.top_p),
+            top_k=options.get("top_k", self.top_k),
+            seed=options.get("seed", self.seed),
+            stop=tuple(stop if stop is not None else (self.stop or ())),
+        )
+
+    def _call_settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> _CallSettings:
+        # LangChain passes its own tracing keys (ls_*) and `stream` along with user options.
+        options = {k: v for k, v in kwargs.items() if not k.startswith("ls_") and k != "stream"}
+        unknown = sorted(set(options) - _CALL_OPTIONS)
+        if unknown:
+            raise unknown_names_error("ChatCacheBlend", unknown, set(_CALL_OPTIONS), "call option")
+        model = options.get("model")
+        if model is not None and model != self.model:
+            raise ValueError(
+                f"this ChatCacheBlend serves {self.model!r} and cannot switch to model={model!r} per call; "
+                f"create ChatCacheBlend(model={model!r}) instead"
+            )
+        timeout = options.get("timeout", self.timeout)
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds, or None")
+        return _CallSettings(self._generation_config(options, stop), self._blend_config(options), timeout)
+
+    # -------------------------------------------------------------- generation
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # Token callbacks are fired by BaseChatModel for every chunk yielded here.
+        settings = self._call_settings(stop, kwargs)
+        started = time.perf_counter()
+        prompt = render_prompt(self.get_engine().tokenizer, messages)
+        stream = self.service.stream(prompt, settings.generation, settings.blend, reuse=self.reuse_chunk_kv)
+        try:
+            for delta in stream:
+                if settings.timeout is not None and time.perf_counter() - started > settings.timeout:
+                    raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            served = stream.result()
+        finally:
+            stream.close()
+        result = served.result
+        usage = UsageMetadata(
+            input_tokens=result.prompt_tokens,
+            output_tokens=result.completion_tokens,
+            total_tokens=result.prompt_tokens + result.completion_tokens,
+            input_token_details=InputTokenDetails(cache_read=result.stats.reused_tokens),
+        )
+        metadata = {"model_name": self.model, "model_provider": "cacheblend", **served.stats()}
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"
+            ),
+            generation_info={"finish_reason": result.finish_reason},
+        )
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # One code path for invoke and stream, so both give the same answer and stats.
+        return generate_from_stream(self._stream(messages, stop=stop, **kwargs))
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        # The engine computes on a worker thread so the event loop stays free. Leaving early
+        # stops the decode at its next token.
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs)):
+            yield chunk
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
+
+
+def _texts_of(items: Iterable[str | Document]) -> list[str]:
+    texts: list[str] = []
+    for item in items:
+        if isinstance(item, Document):
+            texts.append(item.page_content)
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise TypeError(f"expected chunk texts or Documents, got {type(item).__name__}")
+    return texts
+
+
+__all__ = ["ChatCacheBlend"]

@@ -1,0 +1,7 @@
+from langchain_cacheblend import __all__
+
+EXPECTED_ALL = ["CacheBlendRetriever", "ChatCacheBlend"]
+
+
+def test_all_imports() -> None:
+    assert sorted(EXPECTED_ALL) == sorted(__all__)
