@@ -13,7 +13,7 @@ INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-inde
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean redis-server
+.PHONY: install demo test test-fast bench gpu-check clean redis-server
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ test-fast: $(STAMP) redis-server
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# Correctness in bfloat16 on the GPU, then TTFT there (SmolLM2 and a random 1.2B Llama); says so and exits 0 without CUDA.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,19 +36,20 @@ def tiny_config(arch: str = "llama", **overrides: Any):
 
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """A randomly initialised causal LM of ``arch``, deterministic for a given seed."""
+    """A randomly initialised causal LM of ``arch``, deterministic for a given seed. The weights are
+    drawn in float32 and then converted, so a ``dtype`` model holds the float32 model's weights rounded."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger random weights than the default init, so that attention is far from uniform
     # and blending mistakes show up in the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 _TOKENIZER_CORPUS = [
@@ -83,12 +84,16 @@ def tiny_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def tiny_engine(arch: str = "llama", *, config: Any = None, seed: int = 0, **overrides: Any):
-    """A :class:`~cacheblend_rag.engine.CacheBlendEngine` over a tiny model with :func:`tiny_tokenizer`."""
+def tiny_engine(
+    arch: str = "llama", *, config: Any = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", **overrides: Any,
+):
+    """A :class:`~cacheblend_rag.engine.CacheBlendEngine` over a tiny model (in ``dtype``, on ``device``)
+    with :func:`tiny_tokenizer`."""
     from cacheblend_rag.engine import CacheBlendEngine
 
     tokenizer = tiny_tokenizer()
-    model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer), **overrides)
+    model = tiny_model(arch, seed=seed, dtype=dtype, vocab_size=len(tokenizer), **overrides).to(device)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return CacheBlendEngine(model, tokenizer, config=config, model_name=f"tiny-{arch}")

@@ -69,9 +69,25 @@ def default_gguf_path() -> Path:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device (``None``: CUDA when available, else the CPU), checked to exist here."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"device={device!r} is not a torch device ({exc}); write 'cpu', 'cuda' or 'cuda:1'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"device={str(device)!r} was asked for, but torch sees no CUDA device here (torch {torch.__version__}"
+                f"{', a CPU build' if torch.version.cuda is None else ''}); pass device='cpu' or leave it unset"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device={str(device)!r} does not exist: this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device={str(device)!r} was asked for, but MPS is not available here; pass device='cpu'")
+    return resolved
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from cacheblend_rag import ModelLoadError, load_model
 from cacheblend_rag.models import loader
@@ -77,3 +78,15 @@ def test_damaged_converted_copy_is_detected_and_rebuilt(tmp_path, monkeypatch):
     folder, digest2 = loader.converted_gguf_folder(gguf)
     assert rebuilt == [target] and folder == target and digest2 == digest
     assert loader._verify_converted(target)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_an_unavailable_device_is_a_clear_error():
+    from cacheblend_rag.errors import ModelLoadError
+    from cacheblend_rag.models.loader import resolve_device
+
+    with pytest.raises(ModelLoadError, match=r"device='cuda' was asked for, but torch sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ModelLoadError, match=r"device='gpu' is not a torch device"):
+        resolve_device("gpu")
+    assert resolve_device("cpu").type == "cpu"

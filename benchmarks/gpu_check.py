@@ -1,0 +1,213 @@
+"""``make gpu-check``: the engine's correctness in bfloat16 on a GPU, then its speed there, in one table.
+
+Where CUDA is present (under five minutes on one GPU):
+
+1. correctness: the half-precision invariant tests (``tests/engine/test_half_precision.py``:
+   ratio 1.0 against full prefill, ratio 0 against concatenation, the store round trip,
+   deterministic selection, the correctness gate) run on the GPU, then SmolLM2 in bfloat16 on the
+   GPU passes its correctness gate and blends from a disk store exactly as from memory;
+2. speed: TTFT of full prefill, full reuse, plain CacheBlend at 0.15 (``kv_deviation``) and the
+   default at 0.15 (``query_profiled``), chunk KV in GPU memory and in a disk store (pinned
+   host memory, copied layer by layer on a side stream), on SmolLM2-135M and on a randomly
+   initialised Llama of about 1.2B parameters built from a config (no download; its answers mean
+   nothing, its timing is a real 1B model's).
+
+Where CUDA is absent it says so and exits 0. ``--device cpu --smoke`` runs every step on tiny
+models on the CPU, to check the script itself. Prints the table, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
+from cacheblend_rag.store import ChunkCache
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = {
+    "full reuse": BlendConfig(recompute_ratio=0.0),
+    "CacheBlend@0.15": BlendConfig(recompute_ratio=0.15, selection="kv_deviation"),
+    "default@0.15": BlendConfig(recompute_ratio=0.15),
+}
+# A Llama-3.2-1B-shaped model: 16 layers, hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=32768,
+                rope_theta=500000.0, tie_word_embeddings=True)
+
+
+@dataclass
+class Prompt:
+    head: list[int]
+    chunks: list[list[int]]
+    tail: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.head + [t for c in self.chunks for t in c] + self.tail
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = run()
+        int(torch.argmax(out.logits))  # the first token is sampled (and the device synchronized)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_prompt(vocab: int, chunks: int, chunk_tokens: int, seed: int = 0) -> Prompt:
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(100, vocab - 1, (n,), generator=generator).tolist()
+
+    return Prompt(draw(24), [draw(chunk_tokens) for _ in range(chunks)], draw(40))
+
+
+# ------------------------------------------------------------------ correctness
+def run_invariant_tests(device: torch.device) -> dict[str, Any]:
+    env = {**os.environ, "CACHEBLEND_TEST_DEVICE": str(device)}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(REPO / "tests" / "engine" / "test_half_precision.py")],
+                          env=env, cwd=REPO, capture_output=True, text=True)
+    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return {"passed": done.returncode == 0, "summary": summary, "seconds": round(time.perf_counter() - started, 1),
+            **({"output": done.stdout[-3000:] + done.stderr[-2000:]} if done.returncode else {})}
+
+
+def check_store_round_trip(engine: CacheBlendEngine, prompt: Prompt) -> dict[str, Any]:
+    """Blends from a disk store equal blends from memory (the store keeps the model's 16 bits)."""
+    chunks = engine.prefill_chunks(prompt.chunks)
+    in_memory = [FreshSegment(prompt.head), *map(CachedSegment, chunks), FreshSegment(prompt.tail)]
+    stored = [FreshSegment(prompt.head), *(StoredSegment(c) for c in prompt.chunks), FreshSegment(prompt.tail)]
+    with tempfile.TemporaryDirectory() as folder, ChunkCache(engine, folder) as cache:
+        cache.warm(prompt.chunks)
+        results = {}
+        for name, cfg in METHODS.items():
+            a, b = engine.blend(in_memory, config=cfg), engine.blend(stored, config=cfg, store=cache)
+            results[name] = bool(torch.equal(a.logits, b.logits)) and b.stats.cache_hits == len(chunks)
+    return {"passed": all(results.values()), "equal_by_method": results}
+
+
+# ------------------------------------------------------------------ speed
+def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict[str, Any]:
+    device = engine.device
+    engine.blend([FreshSegment(prompt.head), *map(CachedSegment, engine.prefill_chunks(prompt.chunks[:1])),
+                  FreshSegment(prompt.tail)])  # warm-up, runs the correctness gate
+    chunks = engine.prefill_chunks(prompt.chunks)
+    in_memory = [FreshSegment(prompt.head), *map(CachedSegment, chunks), FreshSegment(prompt.tail)]
+    stored = [FreshSegment(prompt.head), *(StoredSegment(c) for c in prompt.chunks), FreshSegment(prompt.tail)]
+    full = median_seconds(lambda: engine.full_prefill(prompt.ids), device, repeats)
+    row: dict[str, Any] = {"tokens": len(prompt.ids), "full prefill": full}
+    with tempfile.TemporaryDirectory() as folder, ChunkCache(engine, folder) as cache:
+        cache.warm(prompt.chunks)
+        for name, cfg in METHODS.items():
+            row[name] = median_seconds(lambda: engine.blend(in_memory, config=cfg), device, repeats)
+            row[f"{name} (disk)"] = median_seconds(lambda: engine.blend(stored, config=cfg, store=cache), device, repeats)
+    return row
+
+
+def random_llama(device: torch.device, dtype: torch.dtype, smoke: bool) -> CacheBlendEngine:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fields = dict(LLAMA_1B)
+    if smoke:
+        fields.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=512)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: seconds on a GPU, no host copy
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=dtype)
+    return CacheBlendEngine(model.eval(), None, model_name=f"random Llama {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = ["full prefill", *METHODS, *(f"{m} (disk)" for m in METHODS)]
+    lines = ["| model | dtype | prompt tokens | " + " | ".join(columns) + " |", "|---" * (len(columns) + 3) + "|"]
+    for row in rows:
+        cells = [f"{row['full prefill'] * 1000:.1f} ms"]
+        cells += [f"{row[c] * 1000:.1f} ms ({row['full prefill'] / row[c]:.1f}x)" for c in columns[1:]]
+        lines.append(f"| {row['model']} | {row['dtype']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--smoke", action="store_true", help="tiny models and prompts (checks the script on a CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"CUDA is not available here (torch {torch.__version__}, "
+              f"{'a CPU build' if torch.version.cuda is None else 'no visible GPU'}): nothing to check. "
+              "Run `make gpu-check` on a machine with a GPU.")
+        return 0
+    dtype = getattr(torch, args.dtype)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "torch": torch.__version__, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d")}
+    print(f"gpu-check on {report['device']}, {args.dtype}, torch {torch.__version__}", flush=True)
+
+    report["invariant_tests"] = run_invariant_tests(device)
+    print(f"1. half-precision invariants on {device}: {report['invariant_tests']['summary']}", flush=True)
+
+    if args.smoke:
+        from cacheblend_rag.testing import tiny_engine
+
+        small = tiny_engine("llama", dtype=dtype, device=device)
+        small.model_name = "tiny Llama (smoke)"
+        chunks, chunk_tokens, repeats = 3, 20, 1
+    else:
+        small = CacheBlendEngine.from_pretrained(device=device, dtype=dtype)
+        chunks, chunk_tokens, repeats = args.chunks, args.chunk_tokens, args.repeats
+    vocab = small.model.config.vocab_size
+    passed, error = small.run_gate(BlendConfig())
+    report["gate"] = {"model": small.model_name, "passed": passed, "relative_error": error}
+    report["store_round_trip"] = check_store_round_trip(small, random_prompt(vocab, 3, min(chunk_tokens, 200)))
+    print(f"2. {small.model_name} {args.dtype}: correctness gate passed={passed} (relative error {error:.2e}); "
+          f"disk store round trip equal to memory: {report['store_round_trip']['passed']}", flush=True)
+
+    rows = []
+    big = random_llama(device, dtype, args.smoke)
+    for engine in (small, big):
+        prompt = random_prompt(engine.model.config.vocab_size, chunks, chunk_tokens, seed=1)
+        row = time_methods(engine, prompt, repeats)
+        rows.append({"model": engine.model_name, "dtype": args.dtype, **row})
+        print(f"3. timed {engine.model_name} ({row['tokens']:,} tokens)", flush=True)
+    report["ttft"] = rows
+    print()
+    print(table(rows))
+    print()
+    print(json.dumps(report, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2))
+    ok = report["invariant_tests"]["passed"] and passed and report["store_round_trip"]["passed"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
