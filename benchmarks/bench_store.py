@@ -86,9 +86,10 @@ def drop_page_cache(path: Path) -> None:
 class Mode:
     """One way of serving the prompt: segments, the store they come from, and what to do before each run."""
 
-    def __init__(self, engine, segments, store=None, before=None, full_prefill: bool = False) -> None:
+    def __init__(self, engine, segments, store=None, before=None, full_prefill: bool = False, config=None) -> None:
         self.engine, self.segments, self.store, self.before = engine, segments, store, before
         self.full_prefill = full_prefill
+        self.config = config  # None: the engine's own
         self.times: list[float] = []
         self.waits: list[float] = []
         self.hits = self.misses = 0
@@ -100,7 +101,7 @@ class Mode:
         if self.full_prefill:
             result = self.engine.full_prefill([t for s in self.segments for t in s.token_ids])
         else:
-            result = self.engine.blend(self.segments, store=self.store)
+            result = self.engine.blend(self.segments, store=self.store, config=self.config)
         int(result.logits.argmax())
         elapsed = time.perf_counter() - start
         if hasattr(self.store, "flush"):

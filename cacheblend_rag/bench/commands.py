@@ -10,6 +10,7 @@ from typing import Any
 from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import CacheBlendError, ConfigError
+from cacheblend_rag.store.codec import STORAGE_DTYPES
 
 
 def register(subparsers: Any) -> None:
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods", default=DEFAULT_METHODS,
         help="comma-separated: full_prefill, prefix_caching, full_reuse, cacheblend, any selection strategy "
              f"({', '.join(available_strategies())}), or 'all'; add '+prefix' for chunks precomputed "
-             "behind the prompt text before the passages, '@RATIO' to pin one ratio",
+             "behind the prompt text before the passages, '@RATIO' to pin one ratio, ':STORAGE' to store that method's chunk KV with another codec (int8, int4, ...)",
     )
     methods.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios for every blend method")
     methods.add_argument("--prefix-conditioned", choices=("off", "on", "both"), default="off",
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     model.add_argument("--store", choices=("memory", "disk"), default="memory", help="where chunk KV lives")
     model.add_argument("--store-dir", default=None, help="parent directory for --store disk (default: the temp dir)")
-    model.add_argument("--storage-dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+    model.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default="auto",
                        help="dtype chunk KV is stored in ('auto': 16-bit, the store's default)")
 
     timing = parser.add_argument_group("measurement")

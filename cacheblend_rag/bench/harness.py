@@ -48,7 +48,7 @@ from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.chunk_cache import STORAGE_DTYPES
+from cacheblend_rag.store.codec import STORAGE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +152,21 @@ class ExampleOutcome:
     prompt_tokens: int
     chunk_tokens: list[int]
     reference_answer_tokens: int
-    precompute_s: dict[str, float]  # prefix variant ("plain" / "prefix") -> seconds for all its chunks
+    precompute_s: dict[str, float]  # chunk variant ("plain", "prefix", "prefix:int8") -> seconds for all its chunks
     prefix_cache_s: float | None
     methods: dict[str, MethodOutcome]
 
 
-def _variant_name(prefix_conditioned: bool) -> str:
-    return "prefix" if prefix_conditioned else "plain"
+Variant = tuple[bool, str | None]  # (prefix-conditioned, storage codec or None for the run's)
+
+
+def _variant(spec: MethodSpec) -> Variant:
+    return spec.prefix_conditioned, spec.storage
+
+
+def _variant_name(variant: Variant) -> str:
+    prefix_conditioned, storage = variant
+    return ("prefix" if prefix_conditioned else "plain") + (f":{storage}" if storage else "")
 
 
 class BenchmarkRunner:
@@ -177,7 +185,7 @@ class BenchmarkRunner:
             base = base.with_overrides(**config.blend_options)
         engine.plan(base)
         self.base_blend = base
-        self.variants = sorted({s.prefix_conditioned for s in self.specs if s.uses_chunk_cache})
+        self.variants = sorted({_variant(s) for s in self.specs if s.uses_chunk_cache}, key=_variant_name)
         self.eos_ids = eos_token_ids(engine)
         self.stores = ChunkStoreFactory(config.store, engine, config.store_dir, config.storage_dtype)
 
@@ -228,14 +236,16 @@ class BenchmarkRunner:
     # ------------------------------------------------------------ one question
     def _run_example(self, index: int, example: MusiqueExample, prompt: BenchPrompt, bar: Any) -> ExampleOutcome:
         cfg = self.config
-        caches: dict[bool, Any] = {}
+        caches: dict[Variant, Any] = {}
         precompute: dict[str, float] = {}
         for variant in self.variants:
-            cache = self.stores.open(prompt.conditioning_prefix(variant))
+            cache = self.stores.open(prompt.conditioning_prefix(variant[0]), variant[1])
             start = time.perf_counter()
             cache.warm(prompt.chunk_ids)
             precompute[_variant_name(variant)] = time.perf_counter() - start
-            cache.warm([prompt.lead_ids], prefix_ids=())  # once for the whole run: not a per-question cost
+            # The lead opens every prompt: stored losslessly it is an exact prefix. Once for the whole
+            # run in practice, so not a per-question cost.
+            cache.warm([prompt.lead_ids], prefix_ids=(), lossless=True)
             caches[variant] = cache
 
         prefix_state: PrefillOutput | None = None
@@ -303,14 +313,14 @@ class BenchmarkRunner:
             methods=outcomes,
         )
 
-    def _request(self, spec: MethodSpec, prompt: BenchPrompt, caches: dict[bool, Any],
+    def _request(self, spec: MethodSpec, prompt: BenchPrompt, caches: dict[Variant, Any],
                  prefix_state: PrefillOutput | None) -> Request:
         if spec.kind == "full_prefill":
             return FullPrefillRequest(self.engine, prompt.input_ids)
         if spec.kind == "prefix_caching":
             return PrefixCachingRequest(self.engine, prompt.input_ids, prompt.prefix_cache_length, prefix_state)
         segments = prompt.stored_segments(prompt.conditioning_prefix(spec.prefix_conditioned))
-        return BlendRequest(self.engine, segments, spec.blend_config(self.base_blend), caches[spec.prefix_conditioned])
+        return BlendRequest(self.engine, segments, spec.blend_config(self.base_blend), caches[_variant(spec)])
 
     def _cold_ttft(self, spec: MethodSpec, prompt: BenchPrompt, outcome: MethodOutcome) -> float:
         """TTFT with nothing cached: chunks (or the prefix) are computed inside the request."""
@@ -320,7 +330,7 @@ class BenchmarkRunner:
             return time_to_first_token(
                 PrefixCachingRequest(self.engine, prompt.input_ids, prompt.prefix_cache_length, None)
             )
-        cache = self.stores.open(prompt.conditioning_prefix(spec.prefix_conditioned))
+        cache = self.stores.open(prompt.conditioning_prefix(spec.prefix_conditioned), spec.storage)
         try:
             segments = prompt.stored_segments(prompt.conditioning_prefix(spec.prefix_conditioned))
             return time_to_first_token(BlendRequest(self.engine, segments, spec.blend_config(self.base_blend), cache))
@@ -343,7 +353,7 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
     full_reuse_mean = mean_or_none(full_reuse_kl) if full_reuse_kl else None
 
     precompute_totals: dict[str, tuple[float, int, int]] = {}
-    for variant in ("plain", "prefix"):
+    for variant in {_variant_name(_variant(s)) for s in specs if s.uses_chunk_cache}:
         seconds = sum(o.precompute_s.get(variant, 0.0) for o in outcomes)
         chunks = sum(len(o.chunk_tokens) for o in outcomes if variant in o.precompute_s)
         tokens = sum(sum(o.chunk_tokens) for o in outcomes if variant in o.precompute_s)
@@ -364,7 +374,7 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
                   for o in outcomes]
         precompute = None
         if spec.uses_chunk_cache:
-            seconds, chunks, tokens = precompute_totals[_variant_name(spec.prefix_conditioned)]
+            seconds, chunks, tokens = precompute_totals[_variant_name(_variant(spec))]
             precompute = {
                 "ms_per_chunk": 1000 * seconds / chunks if chunks else None,
                 "ms_per_1k_tokens": 1e6 * seconds / tokens if tokens else None,

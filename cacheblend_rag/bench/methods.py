@@ -1,6 +1,6 @@
 """The methods a benchmark run compares, and how ``--methods`` names them.
 
-Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO]``.
+Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO][:STORAGE]``.
 
 - ``full_prefill``: the model's own forward over the whole prompt (the reference).
 - ``prefix_caching``: what vLLM/SGLang prefix caching reuses here: the KV of everything up to
@@ -14,10 +14,14 @@ Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO]``.
   (the rendered system turn, the user header and ``Passages:``) and the stand-in passage of
   ``cacheblend_rag.prompting``, instead of behind nothing.
   Only methods that reuse chunk KV (``full_reuse`` and blends) take it.
+- ``:STORAGE``: the chunk KV of this method is stored with this codec (``int8``, ``int4``,
+  ``float16``, ...; :mod:`cacheblend_rag.store.codec`) instead of the run's ``--storage-dtype``.
+  Only methods that reuse chunk KV take it. Recovery and "worse than full reuse" stay measured
+  against plain ``full_reuse`` at the run's storage, one yardstick for every codec.
 - ``all``: full prefill, prefix caching, full reuse and every registered strategy.
 
 Result names are unambiguous: ``full_prefill``, ``prefix_caching``, ``full_reuse``,
-``full_reuse+prefix``, ``cacheblend@0.15``, ``sink_aware+prefix@0.15``.
+``full_reuse+prefix``, ``cacheblend@0.15``, ``sink_aware+prefix@0.15``, ``full_reuse:int8``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Literal, Sequence
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.codec import STORAGE_DTYPES
 
 MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend"]
 PrefixMode = Literal["off", "on", "both"]
@@ -45,6 +50,7 @@ class MethodSpec:
     selection: str | None = None  # blends only
     ratio: float | None = None  # blends: recompute ratio; full_reuse: 0
     prefix_conditioned: bool = False
+    storage: str | None = None  # the codec of this method's chunk KV; None: the run's --storage-dtype
 
     @property
     def uses_chunk_cache(self) -> bool:
@@ -61,9 +67,8 @@ class MethodSpec:
 
     @property
     def name(self) -> str:
-        if self.kind == "blend":
-            return f"{self.family}@{format_ratio(self.ratio)}"
-        return self.family
+        name = f"{self.family}@{format_ratio(self.ratio)}" if self.kind == "blend" else self.family
+        return name + (f":{self.storage}" if self.storage else "")
 
     def blend_config(self, base: BlendConfig) -> BlendConfig:
         if self.kind == "full_reuse":
@@ -80,6 +85,7 @@ class MethodSpec:
             "selection": self.selection,
             "ratio": 0.0 if self.kind == "full_reuse" else self.ratio,
             "prefix_conditioned": self.prefix_conditioned,
+            "storage": self.storage,
         }
 
 
@@ -131,6 +137,9 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
     specs: list[MethodSpec] = []
     for item in items:
         name, pinned = item, None
+        name, _, storage = name.partition(":")
+        if storage and storage not in STORAGE_DTYPES:
+            raise ConfigError(f"--methods: {item!r}: storage {storage!r} is not one of {', '.join(STORAGE_DTYPES)}")
         if "@" in name:
             name, _, ratio_text = name.partition("@")
             pinned = parse_ratios(ratio_text)
@@ -143,10 +152,10 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
                 f"optionally with '{PREFIX_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
             )
         if name in ("full_prefill", "prefix_caching"):
-            if prefixed or pinned:
+            if prefixed or pinned or storage:
                 raise ConfigError(
                     f"--methods: {item!r}: {name} reuses no chunk KV, so it takes neither "
-                    f"'{PREFIX_SUFFIX}' nor a ratio"
+                    f"'{PREFIX_SUFFIX}', a ratio nor a storage codec"
                 )
             specs.append(MethodSpec(kind=name))
             continue
@@ -155,11 +164,11 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
         variants = {"off": [prefixed], "on": [True], "both": [False, True]}[prefix_conditioned]
         for with_prefix in variants:
             if name == "full_reuse":
-                specs.append(MethodSpec(kind="full_reuse", prefix_conditioned=with_prefix))
+                specs.append(MethodSpec(kind="full_reuse", prefix_conditioned=with_prefix, storage=storage or None))
                 continue
             selection = CACHEBLEND_SELECTION if name == CACHEBLEND else name
             for ratio in pinned or ratios:
-                specs.append(MethodSpec("blend", selection, ratio, with_prefix))
+                specs.append(MethodSpec("blend", selection, ratio, with_prefix, storage or None))
 
     unique: list[MethodSpec] = []
     for spec in specs:

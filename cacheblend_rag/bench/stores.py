@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, DiskKVStore, KVStore, MemoryKVStore
-from cacheblend_rag.store.chunk_cache import STORAGE_DTYPES
+from cacheblend_rag.store.codec import STORAGE_DTYPES
 
 StoreKind = Literal["memory", "disk"]
 
@@ -40,8 +40,9 @@ class ChunkStoreFactory:
     def backend_name(self) -> str:
         return (DiskKVStore if self.kind == "disk" else MemoryKVStore).__name__
 
-    def open(self, prefix_ids: Sequence[int] = ()) -> ChunkCache:
-        """A new, empty chunk cache whose :meth:`~ChunkCache.warm` computes chunks behind ``prefix_ids``."""
+    def open(self, prefix_ids: Sequence[int] = (), storage_dtype: str | None = None) -> ChunkCache:
+        """A new, empty chunk cache whose :meth:`~ChunkCache.warm` computes chunks behind ``prefix_ids``,
+        storing them as ``storage_dtype`` (default: the factory's)."""
         self._opened += 1
         path: Path | None = None
         if self.kind == "disk":
@@ -50,7 +51,7 @@ class ChunkStoreFactory:
             store: KVStore = DiskKVStore(path)
         else:
             store = MemoryKVStore()
-        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids, storage_dtype=self.storage_dtype)
+        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids, storage_dtype=storage_dtype or self.storage_dtype)
         self._open[id(cache)] = (cache, store, path)
         return cache
 

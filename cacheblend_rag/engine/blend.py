@@ -176,7 +176,7 @@ class CacheBlendEngine:
         reads_from_start = cfg.recompute_ratio == 0 or strategy.needs.profile is not None
         source, hits, misses = open_cached_source(self, segs, store, 0 if reads_from_start else check_layer)
         try:
-            layout = PromptLayout.of(segs, self.device)
+            layout = PromptLayout.of(segs, self.device, source.lossless())
             run = BlendRun(self.adapter, layout, source, cfg, strategy, check_layer, self.model.config, self.dtype)
             result = run.run(started)
         finally:

@@ -26,6 +26,11 @@ class CachedKVSource(ABC):
     @abstractmethod
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def lossless(self) -> list[bool]:
+        """Per chunk, in order: whether its K/V are exactly what the engine computed (not rounded or
+        quantized by storage). Only such chunks can form an exact prefix."""
+        raise NotImplementedError
+
     def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Layer ``index`` split per chunk. Sources that hold chunks apart override this to skip a copy."""
         k, v = self.layer(index)
@@ -40,6 +45,9 @@ class InMemoryKVSource(CachedKVSource):
         self.chunks = list(chunks)
         self.device = device
         self.dtype = dtype
+
+    def lossless(self) -> list[bool]:
+        return [c.keys[0].dtype == self.dtype or c.keys[0].dtype == torch.float32 for c in self.chunks]
 
     def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
@@ -76,6 +84,10 @@ class InterleavedKVSource(CachedKVSource):
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.layer_parts(index, [])
         return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def lossless(self) -> list[bool]:
+        flags = [source.lossless() for source, _ in self.parts]
+        return [flags[p][c] for p, c in self.order]
 
     def close(self) -> None:
         for source, _ in self.parts:

@@ -18,13 +18,14 @@ from cacheblend_rag.engine.segments import CachedSegment, FreshSegment, Segment
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 
-def exact_prefix_length(segs: Sequence[Segment]) -> int:
+def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None = None) -> int:
     """Tokens at the start of the prompt whose cached K/V is exactly what full prefill computes:
     the leading cached chunks each computed behind exactly the prompt text before it (the
-    first behind nothing, as a cached system prompt is). Prefix caching, in blend terms."""
+    first behind nothing, as a cached system prompt is) and held without loss (``lossless``, per
+    cached segment: not rounded to fewer bits or quantized by a store). Prefix caching, in blend terms."""
     before: list[int] = []
-    for s in segs:
-        if isinstance(s, FreshSegment):
+    for index, s in enumerate(segs):
+        if isinstance(s, FreshSegment) or (lossless is not None and not lossless[index]):
             break
         prefix = s.chunk.prefix_ids if isinstance(s, CachedSegment) else s.prefix_ids
         if tuple(prefix) != tuple(before):
@@ -50,10 +51,12 @@ class PromptLayout:
     question_len: int  # tokens of the last fresh segment
 
     @classmethod
-    def of(cls, segs: Sequence[Segment], device: torch.device) -> "PromptLayout":
+    def of(cls, segs: Sequence[Segment], device: torch.device, lossless: Sequence[bool] | None = None
+           ) -> "PromptLayout":
+        """``lossless``: per cached segment, in order (:meth:`CachedKVSource.lossless`)."""
         input_ids = [t for s in segs for t in s.token_ids]
         n = len(input_ids)
-        exact_end = exact_prefix_length(segs)
+        exact_end = exact_prefix_length(segs, lossless)
         positions = torch.arange(n, device=device)
         cached_mask = torch.zeros(n, dtype=torch.bool, device=device)
         chunk_spans: list[tuple[int, int]] = []

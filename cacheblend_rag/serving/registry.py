@@ -25,7 +25,7 @@ from cacheblend_rag.store import ChunkCache, KVStore, open_store
 TINY_MODEL_PREFIX = "tiny-"
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
-ChunkCacheKey = tuple[Any, tuple[int, ...], Any]
+ChunkCacheKey = tuple[Any, ...]  # store, prefix, size limit, storage dtype, hash of the store key
 
 
 @dataclass
@@ -90,16 +90,18 @@ def slot_for(engine: CacheBlendEngine) -> EngineSlot:
 
 def chunk_cache_for(
     engine: CacheBlendEngine, store: str | KVStore | None, *, prefix_ids: Sequence[int] = (),
-    size_limit: int | str | None = None,
+    size_limit: int | str | None = None, storage_dtype: str = "auto", auth_key: str | None = None,
 ) -> ChunkCache:
     """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``:
-    memory), computing chunks behind ``prefix_ids``; one per engine, store and prefix."""
+    memory), computing chunks behind ``prefix_ids`` and storing them as ``storage_dtype``,
+    authenticated with ``auth_key``; one per engine, store, prefix, codec and key."""
     slot = slot_for(engine)
     prefix = tuple(int(t) for t in prefix_ids)
-    key = (store, prefix, size_limit)
+    key = (store, prefix, size_limit, storage_dtype, hash(auth_key))
     with slot.lock:
         cache = slot.chunk_caches.get(key)
         if cache is None or cache.closed:  # a user closed it (to flush writes, say): open it anew
             opened = store if isinstance(store, KVStore) else open_store(store, size_limit=size_limit)
-            cache = slot.chunk_caches[key] = ChunkCache(engine, opened, prefix_ids=prefix)
+            cache = slot.chunk_caches[key] = ChunkCache(engine, opened, prefix_ids=prefix,
+                                                        storage_dtype=storage_dtype, auth_key=auth_key)
         return cache

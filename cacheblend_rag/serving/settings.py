@@ -16,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
@@ -27,6 +27,7 @@ from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.registry import chunk_cache_for, shared_engine
 from cacheblend_rag.serving.service import BlendService
 from cacheblend_rag.store import ChunkCache, parse_size
+from cacheblend_rag.store.codec import codec_named
 
 _DEFAULTS = BlendConfig()
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
@@ -71,6 +72,16 @@ class CacheBlendSettings(BaseModel):
     )
     store_size_limit: Optional[Union[int, str]] = Field(
         default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'); None: unbounded."
+    )
+    storage_dtype: str = Field(
+        default="auto",
+        description="How chunk KV is stored: 'auto' (16 bits), 'float16', 'bfloat16', 'float32', or quantized 'int8' "
+        "(about 0.51 of the 16-bit bytes) or 'int4' (about 0.28); a warm job must use the same.",
+    )
+    store_key: Optional[SecretStr] = Field(
+        default=None, exclude=True, repr=False,
+        description="Key of authenticated mode for a store shared with writers you do not trust (HMAC-SHA256 on "
+        "every value; entries without a valid MAC are not used); None: $CACHEBLEND_STORE_KEY, else off. Never stored.",
     )
     device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
@@ -149,6 +160,12 @@ class CacheBlendSettings(BaseModel):
             )
         return str(folder)
 
+    @field_validator("storage_dtype")
+    @classmethod
+    def _storage_dtype_is_known(cls, value: str) -> str:
+        codec_named(value)  # ConfigError names the choices
+        return value
+
     @field_validator("store_size_limit")
     @classmethod
     def _size_limit_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
@@ -180,8 +197,10 @@ class CacheBlendSettings(BaseModel):
             )
         if self.chunk_cache is None:
             prefix = default_conditioning_prefix(engine.tokenizer) if self.condition_chunks else ()
+            key = self.store_key.get_secret_value() if self.store_key is not None else None
             self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
-                                               size_limit=self.store_size_limit)
+                                               size_limit=self.store_size_limit, storage_dtype=self.storage_dtype,
+                                               auth_key=key)
         return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks))
 
     # ------------------------------------------------------------------ configs

@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
+from cacheblend_rag.store.errors import CorruptEntryError
+
 COUNTERS = ("hits", "misses", "evictions", "corrupt")
 
 
@@ -89,13 +91,28 @@ class KVStore(ABC):
     def keys(self) -> Iterator[str]:
         """Keys of the chunks that have a manifest."""
 
+    def manifests(self) -> Iterator[tuple[str, Any]]:
+        """``(key, manifest value)`` of every chunk, as stored (unchecked): for inventories."""
+        for key in self.keys():
+            try:
+                yield key, self.get_manifest(key)
+            except CorruptEntryError as exc:
+                yield key, exc
+
     # ------------------------------------------------------------- admin
-    def bind_model(self, fingerprint: str) -> None:
-        """Called by :class:`~cacheblend_rag.store.ChunkCache` with its model's fingerprint.
+    def bind_model(self, fingerprint: str, *, max_value_bytes: int | None = None) -> None:
+        """Called by :class:`~cacheblend_rag.store.ChunkCache` with its model's fingerprint and the
+        largest value that model can have (a layer of its longest chunk at 32 bits).
 
         Chunk keys already embed the fingerprint; a backend may also group its keys by it
-        (Redis namespaces them, so one model's entries can be listed or cleared alone).
+        (Redis namespaces them, so one model's entries can be listed or cleared alone). A backend
+        that reads values from files refuses to read more than ``max_value_bytes`` (raising
+        :class:`CorruptEntryError`), so a forged size cannot exhaust memory.
         """
+        if max_value_bytes is not None:
+            self.max_value_bytes = max(getattr(self, "max_value_bytes", 0) or 0, int(max_value_bytes))
+
+    max_value_bytes: int | None = None
 
     def record(self, **counts: int) -> None:
         """Add to the ``hits``/``misses``/``evictions``/``corrupt`` counters (persistent backends persist them)."""

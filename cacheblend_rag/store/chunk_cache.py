@@ -15,12 +15,20 @@ Failures never fail a request. A damaged entry is logged, counted as ``corrupt``
 and recomputed; a store that cannot be read or written is treated as empty, with a
 warning (at most one a minute for the same kind of failure).
 
-Storage dtype: ``"auto"`` (the default) stores 16 bits per value. If the model computes in
-float16 or bfloat16, that dtype is used and storage is lossless. If it computes in float32,
-layers are stored as float16 (3 more bits of mantissa than bfloat16, so about 8x smaller
-rounding error), except a layer with a value beyond float16's range (|x| > 65504), which is
-stored as bfloat16 rather than overflow to infinity. ``"float32"`` stores exactly what an
-float32 model computed, at twice the bytes. Values are converted to the compute dtype on load.
+Storage dtype (the codec, :mod:`cacheblend_rag.store.codec`): ``"auto"`` (the default) stores 16
+bits per value. If the model computes in float16 or bfloat16, that dtype is used and storage
+is lossless. If it computes in float32, chunks are stored as float16 (3 more bits of mantissa
+than bfloat16, so about 8x smaller rounding error), except a chunk with a value beyond
+float16's range (|x| > 65504), which is stored as bfloat16 rather than overflow to infinity.
+``"float32"`` stores exactly what a float32 model computed, at twice the bytes. ``"int8"`` and
+``"int4"`` quantize (about 0.51 and 0.28 of the 16-bit bytes); they are part of the store key,
+so they never mix with each other or with the lossless ones. Values are converted to the
+compute dtype on load, quantized ones expanded by the pipelined loader.
+
+Authenticated mode: with ``auth_key`` (or ``$CACHEBLEND_STORE_KEY``) every value carries an
+HMAC-SHA256 instead of a checksum, and entries without a valid MAC are not used. The key is
+never stored. Turn it on when writers you do not trust share the store (several applications
+or tenants on one Redis, a shared disk).
 """
 
 from __future__ import annotations
@@ -41,17 +49,31 @@ from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
+from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES, Codec, codec_named, float_codec
+from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
-from cacheblend_rag.store.format import Manifest, decode_layer, decode_manifest, encode_layer, encode_manifest, value_digest
+from cacheblend_rag.store.format import Manifest, Tagger, UnauthenticatedReaderError, encode_layer, encode_manifest, value_digest
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
 
 logger = logging.getLogger(__name__)
 
-STORAGE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FLOAT16_MAX = 65504.0
 _WARN_INTERVAL_S = 60.0
+STORE_KEY_ENV = "CACHEBLEND_STORE_KEY"
+
+
+def store_key(auth_key: bytes | str | None) -> bytes | None:
+    """The MAC key: ``auth_key`` (bytes, or text taken as UTF-8), else ``$CACHEBLEND_STORE_KEY``, else none."""
+    key = auth_key if auth_key is not None else os.environ.get(STORE_KEY_ENV) or None
+    if key is None:
+        return None
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if len(raw) < 16:
+        raise ConfigError(f"the store key ({'auth_key' if auth_key is not None else '$' + STORE_KEY_ENV}) has "
+                          f"{len(raw)} bytes; use at least 16 random bytes, e.g. `openssl rand -hex 32`")
+    return raw
 
 
 @dataclass
@@ -67,8 +89,11 @@ class ChunkCache:
 
     ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: an unbounded
     memory store). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
-    behind; a :class:`StoredSegment` names its own prefix. ``prefetch=False`` turns off the
-    layer read-ahead; ``write_back=False`` keeps missed chunks out of the store.
+    behind; a :class:`StoredSegment` names its own prefix. ``storage_dtype`` is ``"auto"``,
+    ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
+    ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring).
+    ``prefetch=False`` turns off the layer read-ahead; ``write_back=False`` keeps missed chunks
+    out of the store.
     """
 
     def __init__(
@@ -79,23 +104,24 @@ class ChunkCache:
         prefix_ids: Sequence[int] = (),
         batch_size: int = 8,
         storage_dtype: str | torch.dtype = "auto",
+        storage_group: int = DEFAULT_GROUP,
+        auth_key: bytes | str | None = None,
         prefetch: bool = True,
         write_back: bool = True,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
-        if isinstance(storage_dtype, torch.dtype):
-            storage_dtype = str(storage_dtype).removeprefix("torch.")
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ConfigError(f"storage_dtype={storage_dtype!r} is not supported; choose one of "
-                              f"{', '.join(map(repr, STORAGE_DTYPES))}")
+        self.codec: Codec | None = codec_named(storage_dtype, storage_group)  # None: "auto"
+        self.tagger = Tagger(store_key(auth_key))
         self.engine = engine
+        self.rules = EntryRules(engine, self.codec if self.codec is not None and self.codec.lossy else None,
+                                self.tagger)
         self._owns_store = not isinstance(store, KVStore)
         self.store: KVStore = open_store(store)
-        self.store.bind_model(engine.fingerprint)
+        self.store.bind_model(engine.fingerprint, max_value_bytes=self.rules.max_value_bytes)
         self.prefix_ids = tuple(int(t) for t in prefix_ids)
         self.batch_size = batch_size
-        self.storage_dtype = storage_dtype
+        self.storage_dtype = "auto" if self.codec is None else self.codec.name
         self.prefetch = prefetch
         self.write_back = write_back
         self.closed = False
@@ -103,11 +129,13 @@ class ChunkCache:
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._last_warning: dict[str, float] = {}
+        self._warned_unauthenticated = False
 
     # ----------------------------------------------------------------- keys
     def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None) -> str:
         prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
-        return chunk_key((engine or self.engine).fingerprint, token_ids, prefix)
+        tag = self.codec.tag if self.codec is not None else ""
+        return chunk_key((engine or self.engine).fingerprint, token_ids, prefix, codec_tag=tag)
 
     def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> bool:
         try:
@@ -139,55 +167,63 @@ class ChunkCache:
                 out.append(None)
         return out
 
-    def _valid_manifest(
-        self, engine: Any, key: str, data: bytes | CorruptEntryError | None, num_tokens: int
-    ) -> Manifest | None:
-        """The manifest if it is whole and fits this model; a damaged one is removed and counted."""
+    def _valid_manifest(self, key: str, data: Any, num_tokens: int) -> Manifest | None:
+        """The manifest if it passes :class:`EntryRules`; a damaged one is removed and counted."""
         if data is None:
             return None
-        if isinstance(data, CorruptEntryError):
-            self._discard(key, str(data))
-            return None
         try:
-            manifest = decode_manifest(data, expected_key=key)
-            adapter = engine.adapter
-            expected = (engine.num_layers, num_tokens, adapter.num_kv_heads, adapter.head_dim)
-            got = (manifest.num_layers, manifest.num_tokens, manifest.kv_heads, manifest.head_dim)
-            if got != expected:
-                raise CorruptEntryError(f"manifest describes (layers, tokens, kv_heads, head_dim)={got}, "
-                                        f"this model and chunk need {expected}")
-            return manifest
+            if isinstance(data, CorruptEntryError):
+                raise data
+            return self.rules.manifest(data, key, num_tokens)
+        except UnauthenticatedReaderError as exc:
+            self._skip_unauthenticated(exc)
         except CorruptEntryError as exc:
-            self._discard(key, str(exc))
-            return None
+            self._discard(key, exc)
+        return None
 
-    def _discard(self, key: str, reason: str) -> None:
-        logger.warning("corrupt KV store entry %s... (%s); deleting it, the chunk is recomputed", key[:12], reason)
+    def _skip_unauthenticated(self, exc: CorruptEntryError) -> None:
+        # Written by replicas that have the store key: not ours to use, and not damage to delete.
+        if not self._warned_unauthenticated:
+            self._warned_unauthenticated = True
+            logger.warning("KV store %s holds authenticated entries (%s); pass the store key (auth_key= or $%s) "
+                           "to use them. Until then their chunks are computed fresh", self.store.describe(), exc,
+                           STORE_KEY_ENV)
+
+    def _discard(self, key: str, reason: CorruptEntryError | str) -> None:
+        """Remove a damaged entry and count it; an entry that lost layers to eviction is removed quietly."""
+        evicted = isinstance(reason, MissingLayerError)
+        if evicted:
+            logger.debug("KV store entry %s... lost layers to eviction (%s); recomputing it", key[:12], reason)
+        else:
+            self._warn_corrupt(key, str(reason))
         try:
             self.store.delete(key)
-            self.store.record(corrupt=1)
+            self.store.record(**({"evictions": 1} if evicted else {"corrupt": 1}))
         except (StoreError, OSError) as exc:
             self._warn("write", exc)
+
+    def _warn_corrupt(self, key: str, reason: str) -> None:
+        logger.warning("corrupt KV store entry %s... (%s); deleting it, the chunk is recomputed", key[:12], reason)
 
     def load(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> ChunkKV | None:
         """The whole stored chunk in the engine's dtype, or ``None`` if absent (or found damaged)."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         ids = tuple(int(t) for t in token_ids)
         key = self.key_for(ids, prefix)
-        manifest = self._valid_manifest(self.engine, key, self._fetch_manifests([key])[0], len(ids))
+        manifest = self._valid_manifest(key, self._fetch_manifests([key])[0], len(ids))
         if manifest is None:
             return None
         keys, values = [], []
         try:
             blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
             for i, blob in enumerate(blobs):
-                if blob is None or value_digest(blob) != manifest.layer_digests[i]:
-                    raise CorruptEntryError(f"layer {i} is missing or not the value its manifest names")
-                k, v = decode_layer(blob, manifest.layer_shape)
-                keys.append(k.to(self.engine.device, self.engine.dtype))
-                values.append(v.to(self.engine.device, self.engine.dtype))
+                if isinstance(blob, CorruptEntryError):
+                    raise blob
+                k, v = self.rules.layer(blob, manifest, i).unpacked(self.engine.dtype)
+                keys.append(k.to(self.engine.device, copy=True))
+                values.append(v.to(self.engine.device, copy=True))
         except CorruptEntryError as exc:
-            self._discard(key, str(exc))
+            self._discard(key, exc)
             return None
         except (StoreError, OSError) as exc:
             self._warn("read", exc)
@@ -206,7 +242,7 @@ class ChunkCache:
         plans: list[PlannedChunk | None] = []
         missing: list[int] = []
         for i, (segment, key, data) in enumerate(zip(segments, keys, manifests)):
-            manifest = self._valid_manifest(engine, key, data, len(segment.token_ids))
+            manifest = self._valid_manifest(key, data, len(segment.token_ids))
             if manifest is None:
                 missing.append(i)
                 plans.append(None)
@@ -224,7 +260,7 @@ class ChunkCache:
         if first_layer is None:
             first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
         source = PipelinedKVSource(
-            self.store, engine, planned, prefetch=self.prefetch,
+            self.store, engine, planned, self.rules, prefetch=self.prefetch,
             first_layer=first_layer,
             on_damaged=self._on_damaged,
         )
@@ -242,46 +278,53 @@ class ChunkCache:
             out.update(zip(indexes, chunks))
         return [out[i] for i in range(len(segments))]
 
-    def _on_damaged(self, chunk: PlannedChunk, reason: str, fresh: ChunkKV) -> None:
+    def _on_damaged(self, chunk: PlannedChunk, reason: CorruptEntryError, fresh: ChunkKV) -> None:
         # Runs on the loader thread; the slow parts go to the writer thread.
         self._submit(self._replace, chunk.key, reason, fresh)
 
-    def _replace(self, key: str, reason: str, fresh: ChunkKV) -> None:
+    def _replace(self, key: str, reason: CorruptEntryError, fresh: ChunkKV) -> None:
         self._discard(key, reason)
         if self.write_back:
             self._write_logged(key, fresh)
 
     # --------------------------------------------------------------- writes
-    def _storage_dtype(self, keys: torch.Tensor, values: torch.Tensor) -> torch.dtype:
-        chosen = STORAGE_DTYPES[self.storage_dtype]
-        if chosen is not None:
-            return chosen
-        if keys.dtype in (torch.float16, torch.bfloat16):
-            return keys.dtype
-        peak = max(float(keys.abs().max()), float(values.abs().max())) if keys.numel() else 0.0
-        return torch.float16 if peak <= _FLOAT16_MAX else torch.bfloat16
+    def codec_for(self, chunk: ChunkKV, *, lossless: bool = False) -> Codec:
+        """The codec ``chunk`` is stored in: this cache's, or for ``"auto"`` the model's 16-bit dtype
+        (float16 for a float32 model, bfloat16 if a value is beyond float16's range); with
+        ``lossless``, the model's own dtype."""
+        dtype = chunk.keys[0].dtype
+        if lossless:
+            return float_codec(dtype)
+        if self.codec is not None:
+            return self.codec
+        if dtype in (torch.float16, torch.bfloat16):
+            return float_codec(dtype)
+        peak = max(float(t.abs().max()) for t in (*chunk.keys, *chunk.values) if t.numel())
+        return float_codec(torch.float16 if peak <= _FLOAT16_MAX else torch.bfloat16)
 
-    def put(self, chunk: ChunkKV, key: str | None = None) -> int:
-        """Write one chunk now; returns the bytes written (0 if it was already there).
+    def put(self, chunk: ChunkKV, key: str | None = None, *, lossless: bool = False) -> int:
+        """Write one chunk now; returns the bytes written (0 if it was already there). ``lossless``
+        stores it in the model's own dtype, whatever this cache's codec (see :meth:`warm`).
 
         Layers go first, the manifest last. If writing fails, this write's layers are
         removed again (best effort) and :class:`StoreError` is raised; the chunk stays absent.
         """
         key = key or self.key_for(chunk.token_ids, chunk.prefix_ids)
+        codec = self.codec_for(chunk, lossless=lossless)
         write_id = os.urandom(8).hex()
         digests, nbytes, written = [], 0, 0
         try:
             for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values)):
-                blob = encode_layer(k, v, self._storage_dtype(k, v))
+                blob = encode_layer(k, v, codec, self.tagger)
                 self.store.put_layer(key, write_id, layer, blob)
                 written = layer + 1
                 digests.append(value_digest(blob))
                 nbytes += len(blob)
             kv_heads, num_tokens, head_dim = chunk.keys[0].shape
             manifest = Manifest(key=key, write_id=write_id, num_layers=chunk.num_layers, num_tokens=num_tokens,
-                                kv_heads=kv_heads, head_dim=head_dim, layer_digests=tuple(digests),
-                                nbytes=nbytes, created=time.time())
-            won = self.store.add_manifest(key, encode_manifest(manifest))
+                                kv_heads=kv_heads, head_dim=head_dim, codec=codec.name, group=codec.group,
+                                layer_digests=tuple(digests), nbytes=nbytes, created=time.time())
+            won = self.store.add_manifest(key, encode_manifest(manifest, self.tagger))
         except BaseException:
             self._forget_layers(key, write_id, written)
             raise
@@ -296,9 +339,9 @@ class ChunkCache:
         except (StoreError, OSError):
             pass  # the store is failing anyway; orphaned layers are never read and get evicted
 
-    def _write_logged(self, key: str, chunk: ChunkKV) -> int | None:
+    def _write_logged(self, key: str, chunk: ChunkKV, lossless: bool = False) -> int | None:
         try:
-            return self.put(chunk, key)
+            return self.put(chunk, key, lossless=lossless)
         except (StoreError, OSError) as exc:
             self._warn("write", exc)
             return None
@@ -351,11 +394,16 @@ class ChunkCache:
     # ------------------------------------------------------------ precompute
     def warm(
         self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False,
-        prefix_ids: Sequence[int] | None = None,
+        prefix_ids: Sequence[int] | None = None, lossless: bool = False,
     ) -> WarmSummary:
         """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches,
         behind ``prefix_ids`` (default: this cache's conditioning prefix; ``()`` for a chunk that
-        opens prompts, such as a system prompt, which is then an exact prefix of the blend)."""
+        opens prompts, such as a system prompt).
+
+        A chunk that opens a prompt behind nothing is an exact prefix of the blend (reused as is,
+        never recomputed) only if it is stored without loss: warm it with ``lossless=True``, which
+        keeps the model's own dtype whatever this cache's codec. Stored at fewer bits it is blended
+        like any other chunk."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         summary = WarmSummary()
         todo: list[tuple[int, ...]] = []
@@ -377,7 +425,7 @@ class ChunkCache:
             # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
             for future in writes:
                 self._tally(summary, future.result())
-            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids), c)
+            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids), c, lossless)
                       for c in chunks]
             bar.update(len(batch))
         for future in writes:
@@ -415,4 +463,5 @@ class ChunkCache:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ChunkCache({self.store.describe()}, storage_dtype={self.storage_dtype!r})"
+        auth = ", authenticated" if self.tagger.authenticated else ""
+        return f"ChunkCache({self.store.describe()}, storage_dtype={self.codec or 'auto'!r}{auth})"

@@ -25,7 +25,9 @@ from typing import Iterator
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES
 from cacheblend_rag.store.factory import open_store
+from cacheblend_rag.store.inventory import inventory
 
 
 def _add_store_options(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cuda if available, else cpu)")
     warm.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (default: the loader's choice)")
     warm.add_argument("--prefix", default="", help="conditioning prefix text the chunks are computed behind")
-    warm.add_argument("--storage-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                      help="bits kept per value (default auto: 16)")
+    warm.add_argument("--storage-dtype", default="auto", choices=list(STORAGE_DTYPES),
+                      help="how values are stored: auto (16 bits), float16, bfloat16, float32, or quantized int8 "
+                           "(about 0.51 of the 16-bit bytes) or int4 (about 0.28); readers must use the same")
+    warm.add_argument("--storage-group", type=int, default=DEFAULT_GROUP,
+                      help=f"group size of int8/int4 quantization (default {DEFAULT_GROUP})")
     warm.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     warm.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
@@ -74,12 +79,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _open(args) as store:
         stats = store.stats()
+        by_codec = inventory(store)
     if args.json:
-        print(json.dumps({"store": store.describe(), **stats.to_dict()}, indent=2))
+        codecs = {label: share.to_dict() for label, share in by_codec.items()}
+        print(json.dumps({"store": store.describe(), **stats.to_dict(), "by_codec": codecs}, indent=2))
         return 0
     print(store.describe())
     for name in ("entries", "bytes", "hits", "misses", "evictions", "corrupt"):
         print(f"  {name:<10} {getattr(stats, name):>14,}")
+    if by_codec:
+        print(f"  {'codec':<22} {'entries':>9} {'tokens':>12} {'bytes':>15} {'bytes/token':>12}")
+        for label, share in by_codec.items():
+            print(f"  {label:<22} {share.entries:>9,} {share.tokens:>12,} {share.bytes:>15,} "
+                  f"{share.bytes_per_token:>12,.1f}")
     return 0
 
 
@@ -137,7 +149,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     prefix = engine.tokenize(args.prefix) if args.prefix else ()
     corpus_size = len(texts)
     with ChunkCache(engine, _open(args, create=True), prefix_ids=prefix, batch_size=args.batch_size,
-                    storage_dtype=args.storage_dtype) as cache:
+                    storage_dtype=args.storage_dtype, storage_group=args.storage_group) as cache:
         if args.shard is not None:
             index, count = args.shard
             texts = [t for t in texts if shard_of(cache.key_for(engine.tokenize(t)), count) == index]

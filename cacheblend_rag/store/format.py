@@ -1,161 +1,186 @@
-"""The byte format of stored chunk KV: one self-describing, checksummed value per layer, plus a manifest.
+"""The byte format of stored chunk KV: one self-describing, tagged value per layer, plus a manifest.
 
-A **layer value** holds K and V of one layer of one chunk as one tensor ``[2, kv_heads, n, head_dim]``::
+A **layer value** holds K and V of one layer of one chunk, each ``[kv_heads, tokens, head_dim]``,
+in a codec (:mod:`cacheblend_rag.store.codec`: float32, float16, bfloat16, int8, int4)::
 
-    offset  size       field
-    0       4          magic b"CBKV"
-    4       2          format version (little-endian u16)
-    6       1          dtype code (1 float16, 2 bfloat16, 3 float32)
-    7       1          ndim (at most 8)
-    8       4 * ndim   shape (u32 each)
-    ...     8          payload length in bytes (u64)
-    ...     payload    the tensor, C order, little-endian
-    ...     16         XXH3-128 of everything before it
+    offset  size   field
+    0       4      magic b"CBKV"
+    4       2      format version (little-endian u16)
+    6       1      codec code
+    7       1      flags (bit 0: the tag is a keyed MAC)
+    8       2      group size (quantized codecs; 0 otherwise)
+    10      2      reserved, 0
+    12      12     kv_heads, tokens, head_dim (u32 each)
+    24      8      payload length in bytes (u64)
+    32      ...    payload: the codec's tensors, in order, C order, little-endian
+    ...     16|32  tag: XXH3-128 of everything before it, or HMAC-SHA256 keyed by the store key
 
 A **manifest** says a chunk is complete. Writers store it last, so a reader that finds a
 manifest finds every layer it names (unless the layers were evicted or damaged since, which
-the loader detects through the layer checksums and the digests the manifest records)::
+the loader detects through the tags the manifest records)::
 
-    b"CBKM", version (u16), JSON length (u32), UTF-8 JSON, XXH3-128 of everything before it
+    b"CBKM", version (u16), flags (u8), reserved (u8), JSON length (u32), UTF-8 JSON, tag
 
-The checksum detects damage (torn writes, bit rot, truncation), not forgery: whoever can write
-the store can write a consistent value. XXH3 checks about 25 GB/s where blake2b managed 0.6, which
-made hashing a tenth of a blend's time on a CPU. Version 1 used blake2b; its values now read as
-"format version 1" and are recomputed.
+Without a store key the tag detects damage (torn writes, bit rot, truncation), not forgery:
+whoever can write the store can write a consistent value. With a key (authenticated mode,
+:class:`Tagger`) every tag is an HMAC-SHA256 over the value, and a manifest's MAC covers the
+MAC of each of its layers, so no one without the key can make an entry a reader accepts. XXH3
+checks at about 10 GB/s on the machine the README reports from, SHA-256 at about 1 GB/s
+(with the CPU's SHA extensions), which is why the keyed MAC is a choice, not the default.
 
-Decoding never unpickles and never trusts a length it has not checked against the data:
-any malformed input raises :class:`CorruptEntryError` and nothing else.
+Decoding never unpickles, never trusts a length it has not checked against the data, and
+accepts only ``bytes``-like values: anything else (another type, a short or padded value, a
+wrong magic, version, codec or tag, a manifest whose JSON is too large, too deep or not the
+expected fields, non-finite floats) raises :class:`CorruptEntryError` and nothing else.
+Version 2 values (16 and 32 bits, no codec byte) read as "format version 2" and are recomputed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
-import warnings
 import math
 import struct
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
 import xxhash
 
+from cacheblend_rag.store.codec import Codec, PackedLayer, codec_for_code
 from cacheblend_rag.store.errors import CorruptEntryError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 LAYER_MAGIC = b"CBKV"
 MANIFEST_MAGIC = b"CBKM"
-DIGEST_SIZE = 16
-MAX_NDIM = 8
+CHECKSUM_SIZE = 16
+MAC_SIZE = 32
+FLAG_MAC = 1
+MAX_MANIFEST_JSON = 1 << 20  # bytes; a manifest of 1,000 layers is about 40 KB
+MAX_JSON_DEPTH = 2  # a manifest is an object holding one list of strings
 
-_DTYPE_CODES: dict[torch.dtype, int] = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_FIXED = struct.Struct("<4sHBB")  # magic, version, dtype code, ndim
-_LENGTH = struct.Struct("<Q")
-_MANIFEST_HEAD = struct.Struct("<4sHI")  # magic, version, JSON length
-
-
-def _digest(data: memoryview | bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
+_LAYER_HEAD = struct.Struct("<4sHBBHHIIIQ")  # magic, version, codec, flags, group, reserved, h, n, d, payload length
+_MANIFEST_HEAD = struct.Struct("<4sHBBI")  # magic, version, flags, reserved, JSON length
+BytesLike = (bytes, bytearray, memoryview)
 
 
-def storable_dtypes() -> tuple[str, ...]:
-    return tuple(str(d).removeprefix("torch.") for d in _DTYPE_CODES)
+class Tagger:
+    """What ends every value: an XXH3-128 checksum (no key), or an HMAC-SHA256 keyed by ``key``."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and (not isinstance(key, (bytes, bytearray)) or len(key) < 16):
+            raise ValueError("the store key must be at least 16 bytes")
+        self._key = bytes(key) if key is not None else None
+
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
+
+    @property
+    def size(self) -> int:
+        return MAC_SIZE if self._key is not None else CHECKSUM_SIZE
+
+    @property
+    def flags(self) -> int:
+        return FLAG_MAC if self._key is not None else 0
+
+    def tag(self, parts: Sequence[bytes | memoryview]) -> bytes:
+        if self._key is None:
+            h = xxhash.xxh3_128()
+        else:
+            h = hmac.new(self._key, digestmod=hashlib.sha256)
+        for part in parts:
+            h.update(part)
+        return h.digest()
+
+    def check(self, body: memoryview, tag: memoryview, flags: int, what: str) -> None:
+        """Raise :class:`CorruptEntryError` unless ``tag`` is this tagger's tag of ``body``."""
+        if bool(flags & FLAG_MAC) != self.authenticated:
+            if self.authenticated:
+                raise CorruptEntryError(f"{what} carries no MAC, and this store requires authenticated entries")
+            raise UnauthenticatedReaderError(f"{what} is authenticated (keyed MAC); this reader has no store key")
+        if not hmac.compare_digest(self.tag([body]), bytes(tag)):
+            raise CorruptEntryError(f"{what} fails its {'MAC' if self.authenticated else 'checksum'}")
 
 
-# ----------------------------------------------------------------- tensors
-def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
-    """Bytes of ``tensor`` (converted to ``dtype`` first, if given) in the layer format."""
-    return _encode_parts([tensor], tuple(tensor.shape), dtype)
+class UnauthenticatedReaderError(CorruptEntryError):
+    """An authenticated entry met a reader without the store key: it cannot be checked, so it is
+    not used, but it is not damage either, and must not be deleted."""
 
 
-def _encode_parts(parts: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype | None) -> bytes:
-    """One value whose payload is ``parts`` laid end to end (as if stacked), without copying them together."""
-    dtype = dtype or parts[0].dtype
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"cannot store a {dtype} tensor; storable dtypes are {', '.join(storable_dtypes())}")
-    if len(shape) > MAX_NDIM:
-        raise ValueError(f"cannot store a tensor with {len(shape)} dimensions; at most {MAX_NDIM} are supported")
-    payloads = []
-    for part in parts:
-        t = part.detach().to(dtype).to("cpu").contiguous()
-        payloads.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+def _view(data: Any, what: str) -> memoryview:
+    if not isinstance(data, BytesLike):
+        raise CorruptEntryError(f"{what} is a {type(data).__name__}, not bytes (another program wrote it?)")
+    view = memoryview(data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def value_digest(data: bytes | memoryview) -> str:
+    """The tag a value ends with, as hex (what a manifest records per layer). The tag's size is read
+    from the value's own header, so a value too short to have one gives ``""``."""
+    view = _view(data, "value")
+    if len(view) < 8:
+        return ""
+    size = MAC_SIZE if view[7] & FLAG_MAC else CHECKSUM_SIZE
+    return bytes(view[-size:]).hex() if len(view) >= size else ""
+
+
+# ------------------------------------------------------------------ layers
+def encode_layer(keys: torch.Tensor, values: torch.Tensor, codec: Codec, tagger: Tagger | None = None) -> bytes:
+    """One layer of one chunk: ``keys`` and ``values`` are ``[kv_heads, tokens, head_dim]``."""
+    if keys.shape != values.shape or keys.dim() != 3:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be [kv_heads, tokens, head_dim]")
+    tagger = tagger or Tagger()
+    parts = codec.pack(keys, values)
+    payloads = [p.reshape(-1).view(torch.uint8).numpy().data if p.numel() else b"" for p in parts]
     nbytes = sum(len(p) for p in payloads)
-    header = _FIXED.pack(LAYER_MAGIC, FORMAT_VERSION, _DTYPE_CODES[dtype], len(shape))
-    header += struct.pack(f"<{len(shape)}I", *shape) + _LENGTH.pack(nbytes)
-    h = xxhash.xxh3_128(header)
-    for p in payloads:
-        h.update(p)
-    return b"".join([header, *payloads, h.digest()])
+    h, n, d = keys.shape
+    header = _LAYER_HEAD.pack(LAYER_MAGIC, FORMAT_VERSION, codec.code, tagger.flags, codec.group, 0, h, n, d, nbytes)
+    return b"".join([header, *payloads, tagger.tag([header, *payloads])])
 
 
-def decode_tensor(data: bytes | bytearray | memoryview, *, copy: bool = True) -> torch.Tensor:
-    """The tensor stored in ``data``; raises :class:`CorruptEntryError` for anything malformed.
+def decode_layer(
+    data: Any, expected_shape: tuple[int, int, int] | None = None, *, tagger: Tagger | None = None,
+    codec: Codec | None = None,
+) -> PackedLayer:
+    """The layer in ``data``, as tensors over its bytes (no copy; ``.unpacked(dtype)`` gives K and V).
 
-    ``copy=False`` returns a tensor over ``data``'s own memory, which may be read-only: for a
-    caller that only reads it (the loader converts or rotates it into the blend's cache)."""
-    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
-    if len(view) < _FIXED.size + _LENGTH.size + DIGEST_SIZE:
+    ``expected_shape`` is ``(kv_heads, tokens, head_dim)`` and ``codec`` the codec the manifest
+    names; anything else is :class:`CorruptEntryError`."""
+    tagger = tagger or Tagger()
+    view = _view(data, "layer value")
+    if len(view) < _LAYER_HEAD.size + tagger.size:
         raise CorruptEntryError(f"layer value is truncated: {len(view)} bytes is shorter than any header")
-    magic, version, code, ndim = _FIXED.unpack_from(view, 0)
+    magic, version, code, flags, group, _, h, n, d, nbytes = _LAYER_HEAD.unpack_from(view, 0)
     if magic != LAYER_MAGIC:
         raise CorruptEntryError(f"layer value has magic {bytes(magic)!r}, expected {LAYER_MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptEntryError(f"layer value has format version {version}, this code reads {FORMAT_VERSION}")
-    if code not in _CODE_DTYPES:
-        raise CorruptEntryError(f"layer value has unknown dtype code {code}")
-    if ndim > MAX_NDIM:
-        raise CorruptEntryError(f"layer value claims {ndim} dimensions, at most {MAX_NDIM} are valid")
-    header_len = _FIXED.size + 4 * ndim + _LENGTH.size
-    if len(view) < header_len + DIGEST_SIZE:
-        raise CorruptEntryError(f"layer value is truncated: {len(view)} bytes, its header alone needs {header_len}")
-    shape = struct.unpack_from(f"<{ndim}I", view, _FIXED.size)
-    (nbytes,) = _LENGTH.unpack_from(view, _FIXED.size + 4 * ndim)
-    dtype = _CODE_DTYPES[code]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if math.prod(shape) * itemsize != nbytes:
-        raise CorruptEntryError(f"layer value shape {shape} of {dtype} does not match its payload of {nbytes} bytes")
-    if len(view) != header_len + nbytes + DIGEST_SIZE:
-        raise CorruptEntryError(
-            f"layer value has {len(view)} bytes, its header says {header_len + nbytes + DIGEST_SIZE} (truncated or padded)"
-        )
-    body = view[: header_len + nbytes]
-    if _digest(body) != bytes(view[header_len + nbytes :]):
-        raise CorruptEntryError("layer value fails its checksum")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    payload = view[header_len : header_len + nbytes]
-    if copy:
-        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
+    tag_size = MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE
+    if len(view) != _LAYER_HEAD.size + nbytes + tag_size:
+        raise CorruptEntryError(f"layer value has {len(view)} bytes, its header says "
+                                f"{_LAYER_HEAD.size + nbytes + tag_size} (truncated or padded)")
+    body = view[: _LAYER_HEAD.size + nbytes]
+    tagger.check(body, view[_LAYER_HEAD.size + nbytes :], flags, "layer value")
+    try:
+        found = codec_for_code(code, group)
+    except KeyError:
+        raise CorruptEntryError(f"layer value has unknown codec code {code}") from None
+    if codec is not None and found != codec:
+        raise CorruptEntryError(f"layer value is stored as {found!r}, its manifest says {codec!r}")
+    if expected_shape is not None and (h, n, d) != tuple(expected_shape):
+        raise CorruptEntryError(f"layer value has shape {(h, n, d)}, the manifest says {tuple(expected_shape)}")
+    if min(h, n, d) < 1 or found.payload_bytes((h, n, d)) != nbytes:
+        raise CorruptEntryError(f"layer value shape {(h, n, d)} in {found!r} does not match its payload of {nbytes} bytes")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": the caller only reads
-        return torch.frombuffer(payload, dtype=dtype).view(shape)
-
-
-def value_digest(data: bytes | memoryview) -> str:
-    """The checksum a layer value ends with, as hex (what a manifest records per layer)."""
-    return bytes(memoryview(data)[-DIGEST_SIZE:]).hex()
-
-
-# ------------------------------------------------------------------ layers
-def encode_layer(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
-    """One layer of one chunk: ``keys`` and ``values`` are ``[kv_heads, n, head_dim]``."""
-    if keys.shape != values.shape:
-        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the same shape")
-    return _encode_parts([keys, values], (2, *keys.shape), dtype)
-
-
-def decode_layer(
-    data: bytes | memoryview, expected_shape: tuple[int, int, int] | None = None, *, copy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)`` of a layer value; ``expected_shape`` is ``(kv_heads, n, head_dim)``.
-    ``copy`` as for :func:`decode_tensor`."""
-    t = decode_tensor(data, copy=copy)
-    if t.dim() != 4 or t.shape[0] != 2:
-        raise CorruptEntryError(f"layer value has shape {tuple(t.shape)}, expected [2, kv_heads, n, head_dim]")
-    if expected_shape is not None and tuple(t.shape[1:]) != tuple(expected_shape):
-        raise CorruptEntryError(f"layer value has shape {tuple(t.shape[1:])}, the manifest says {tuple(expected_shape)}")
-    return t[0], t[1]
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": the reader only reads
+        packed = found.unpack(view[_LAYER_HEAD.size : _LAYER_HEAD.size + nbytes], (h, n, d))
+    if not packed.finite:
+        raise CorruptEntryError("layer value holds NaN or infinite numbers")
+    return packed
 
 
 # --------------------------------------------------------------- manifests
@@ -169,7 +194,9 @@ class Manifest:
     num_tokens: int
     kv_heads: int
     head_dim: int
-    layer_digests: tuple[str, ...]
+    codec: str  # codec name
+    group: int  # codec group size (0 for the float codecs)
+    layer_digests: tuple[str, ...]  # each layer value's tag, hex
     nbytes: int  # total bytes of the layer values
     created: float
 
@@ -180,37 +207,84 @@ class Manifest:
 
 _MANIFEST_TYPES: dict[str, type] = {
     "key": str, "write_id": str, "num_layers": int, "num_tokens": int, "kv_heads": int, "head_dim": int,
-    "layer_digests": list, "nbytes": int, "created": float,
+    "codec": str, "group": int, "layer_digests": list, "nbytes": int, "created": float,
 }
 
 
-def encode_manifest(manifest: Manifest) -> bytes:
+def encode_manifest(manifest: Manifest, tagger: Tagger | None = None) -> bytes:
+    tagger = tagger or Tagger()
     fields = asdict(manifest)
     fields["layer_digests"] = list(manifest.layer_digests)
     payload = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    body = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, len(payload)) + payload
-    return body + _digest(body)
+    body = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, tagger.flags, 0, len(payload)) + payload
+    return body + tagger.tag([body])
 
 
-def decode_manifest(data: bytes | memoryview, expected_key: str | None = None) -> Manifest:
+def _json_depth(text: bytes) -> int:
+    """Nesting depth of the JSON ``text`` (brackets outside strings), without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def decode_manifest(data: Any, expected_key: str | None = None, *, tagger: Tagger | None = None) -> Manifest:
     """The manifest in ``data``; raises :class:`CorruptEntryError` for anything malformed."""
-    view = memoryview(data)
-    if len(view) < _MANIFEST_HEAD.size + DIGEST_SIZE:
+    tagger = tagger or Tagger()
+    view, flags, text = _manifest_parts(data)
+    tag_start = len(view) - (MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE)
+    tagger.check(view[:tag_start], view[tag_start:], flags, "manifest")
+    return _manifest_from(_parse_json(text), expected_key, tagger.size)
+
+
+def peek_manifest(data: Any) -> Manifest:
+    """The manifest in ``data`` without checking its tag: for a writer reading back what it just
+    wrote, and for inventories (``cache stats``) that use nothing but its sizes and codec."""
+    view, flags, text = _manifest_parts(data)
+    return _manifest_from(_parse_json(text), None, MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE)
+
+
+def _manifest_parts(data: Any) -> tuple[memoryview, int, bytes]:
+    view = _view(data, "manifest")
+    if len(view) < _MANIFEST_HEAD.size + CHECKSUM_SIZE:
         raise CorruptEntryError(f"manifest is truncated: {len(view)} bytes")
-    magic, version, length = _MANIFEST_HEAD.unpack_from(view, 0)
+    magic, version, flags, _, length = _MANIFEST_HEAD.unpack_from(view, 0)
     if magic != MANIFEST_MAGIC:
         raise CorruptEntryError(f"manifest has magic {bytes(magic)!r}, expected {MANIFEST_MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptEntryError(f"manifest has format version {version}, this code reads {FORMAT_VERSION}")
-    if len(view) != _MANIFEST_HEAD.size + length + DIGEST_SIZE:
+    if length > MAX_MANIFEST_JSON:
+        raise CorruptEntryError(f"manifest claims {length} bytes of JSON, more than any manifest ({MAX_MANIFEST_JSON})")
+    tag_size = MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE
+    if len(view) != _MANIFEST_HEAD.size + length + tag_size:
         raise CorruptEntryError("manifest length does not match its header (truncated or padded)")
-    body = view[: _MANIFEST_HEAD.size + length]
-    if _digest(body) != bytes(view[-DIGEST_SIZE:]):
-        raise CorruptEntryError("manifest fails its checksum")
+    return view, flags, bytes(view[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + length])
+
+
+def _parse_json(text: bytes) -> Any:
+    if _json_depth(text) > MAX_JSON_DEPTH:
+        raise CorruptEntryError("manifest JSON is nested deeper than any manifest")
     try:
-        fields: Any = json.loads(bytes(view[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + length]).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+        return json.loads(text.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptEntryError(f"manifest is not valid JSON: {exc}") from None
+
+
+def _manifest_from(fields: Any, expected_key: str | None, tag_size: int) -> Manifest:
     if not isinstance(fields, dict) or set(fields) != set(_MANIFEST_TYPES):
         raise CorruptEntryError("manifest does not have the expected fields")
     for name, kind in _MANIFEST_TYPES.items():
@@ -222,10 +296,15 @@ def decode_manifest(data: bytes | memoryview, expected_key: str | None = None) -
     manifest = Manifest(**{**fields, "layer_digests": tuple(fields["layer_digests"])})
     if any(v < 1 for v in (manifest.num_layers, manifest.num_tokens, manifest.kv_heads, manifest.head_dim)):
         raise CorruptEntryError("manifest has a non-positive size")
+    if any(v > 1 << 24 for v in (manifest.num_layers, manifest.num_tokens, manifest.kv_heads, manifest.head_dim)):
+        raise CorruptEntryError("manifest has a size no model has")
+    digest_chars = 2 * tag_size
     if len(manifest.layer_digests) != manifest.num_layers or not all(
-        isinstance(d, str) for d in manifest.layer_digests
+        isinstance(d, str) and len(d) == digest_chars for d in manifest.layer_digests
     ):
-        raise CorruptEntryError("manifest does not list one digest per layer")
+        raise CorruptEntryError("manifest does not list one tag per layer")
+    if not math.isfinite(manifest.created):
+        raise CorruptEntryError("manifest has a non-finite creation time")
     if expected_key is not None and manifest.key != expected_key:
         raise CorruptEntryError(f"manifest belongs to key {manifest.key[:16]}..., found under {expected_key[:16]}...")
     return manifest

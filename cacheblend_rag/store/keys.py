@@ -5,8 +5,10 @@ digest, compute dtype), the chunk's token ids, the conditioning prefix ids and t
 format version. The same text under another model or another prefix gets another key,
 and keys are identical across processes and machines (no Python ``hash()``).
 
-The storage dtype is *not* part of the key: every layer value records its own dtype, so a
-store written at 32 bits is readable by a reader configured for 16 bits and vice versa.
+A lossless storage dtype (float16, bfloat16, float32) is *not* part of the key: every layer
+value records its own codec, so a store written at 32 bits is readable by a reader configured
+for 16 bits and vice versa. A lossy codec (int8, int4, with its group size) *is*: a reader at
+16 bits never takes an int4 entry for its own, and readers of different quantizations never mix.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def chunk_key(
     prefix_ids: Sequence[int] = (),
     *,
     format_version: int = FORMAT_VERSION,
+    codec_tag: str = "",
 ) -> str:
-    """Hex key of one chunk's KV under one model."""
+    """Hex key of one chunk's KV under one model (and one lossy codec, ``Codec.tag``)."""
     if not model_fingerprint:
         raise ValueError("model_fingerprint is empty; pass engine.fingerprint")
     h = hashlib.sha256(_DOMAIN)
@@ -44,4 +47,7 @@ def chunk_key(
     h.update(struct.pack("<Q", len(fingerprint)) + fingerprint)
     h.update(_ids_bytes(token_ids))
     h.update(_ids_bytes(prefix_ids))
+    if codec_tag:  # empty for the lossless codecs, so their keys are what they always were
+        tag = codec_tag.encode()
+        h.update(struct.pack("<Q", len(tag)) + tag)
     return h.hexdigest()

@@ -3,9 +3,11 @@
 The engine asks a :class:`CachedKVSource` for layer ``l`` of all cached tokens exactly when
 it needs it, in increasing ``l``. :class:`PipelinedKVSource` uses that order: while layer
 ``l`` computes, one background thread already reads layer ``l + 1`` of every chunk from the
-store, checks it, decodes it, converts it to the compute dtype and concatenates the chunks.
-On CUDA the result is staged in pinned memory and copied on a side stream, and the engine's
-stream waits on an event instead of the whole device.
+store, checks it (:class:`~cacheblend_rag.store.entries.EntryRules`) and decodes it. A
+quantized layer (int8, int4) is expanded here, off the blend's critical path: on a CPU into
+the compute dtype; on CUDA its compact bytes are staged in pinned memory, copied on a side
+stream and expanded on the device there, and the engine's stream waits on an event instead
+of the whole device.
 
 A chunk whose layer turns out missing or damaged in the middle of a blend cannot be
 re-fetched: the blend has already used its earlier layers. Those layers passed their
@@ -27,8 +29,10 @@ import torch
 from cacheblend_rag.engine.kv_source import CachedKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.codec import PackedLayer, codec_for_name
+from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
-from cacheblend_rag.store.format import Manifest, decode_layer, value_digest
+from cacheblend_rag.store.format import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +52,8 @@ class PlannedChunk:
             raise ValueError("a planned chunk needs exactly one of manifest (stored) or fresh (computed)")
 
 
-# Called with (chunk, reason, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
-DamageHandler = Callable[[PlannedChunk, str, ChunkKV], None]
+# Called with (chunk, what was wrong, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
+DamageHandler = Callable[[PlannedChunk, CorruptEntryError, ChunkKV], None]
 
 
 class PipelinedKVSource(CachedKVSource):
@@ -65,6 +69,7 @@ class PipelinedKVSource(CachedKVSource):
         store: KVStore,
         engine: Any,
         chunks: Sequence[PlannedChunk],
+        rules: EntryRules,
         *,
         prefetch: bool = True,
         first_layer: int = 0,
@@ -73,6 +78,7 @@ class PipelinedKVSource(CachedKVSource):
     ) -> None:
         self.store = store
         self.engine = engine
+        self.rules = rules
         self.chunks = list(chunks)
         self.prefetch = prefetch
         self.depth = max(1, depth)
@@ -129,6 +135,12 @@ class PipelinedKVSource(CachedKVSource):
         self.wait_seconds += time.perf_counter() - start
         return keys, values
 
+    def lossless(self) -> list[bool]:
+        # Fresh chunks are what the engine computed; stored ones are exact only in a codec that keeps
+        # the compute dtype's values (a float32 model's KV stored at 16 bits is not).
+        return [c.fresh is not None or codec_for_name(c.manifest.codec, c.manifest.group).exact_for(self.dtype)
+                for c in self.chunks]
+
     def close(self) -> None:
         if self._executor is not None:
             for future in self._futures.values():
@@ -148,35 +160,28 @@ class PipelinedKVSource(CachedKVSource):
             self._futures[index] = self._executor.submit(self._load, index)
 
     def _load(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-        """Layer ``index`` of every chunk, on the engine's device (in its dtype on CUDA; as stored on a
-        CPU, where the engine converts while rotating). Runs on the loader thread."""
+        """Layer ``index`` of every chunk, on the engine's device (in its dtype on CUDA; a float codec
+        as stored on a CPU, where the engine converts while rotating). Runs on the loader thread."""
         stored = [c for c in self.chunks if c.fresh is None]
         blobs = self._fetch(stored, index)
-        decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        decoded: dict[int, PackedLayer] = {}
         for chunk, blob in zip(stored, blobs):
             if chunk.fresh is not None:
                 continue
             try:
                 if isinstance(blob, CorruptEntryError):
                     raise blob
-                if blob is None:
-                    raise CorruptEntryError(f"layer {index} is missing")
-                self.bytes_read += len(blob)
-                if value_digest(blob) != chunk.manifest.layer_digests[index]:
-                    raise CorruptEntryError(f"layer {index} is not the value its manifest names")
-                decoded[id(chunk)] = decode_layer(blob, chunk.manifest.layer_shape, copy=False)
+                self.bytes_read += len(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else 0
+                decoded[id(chunk)] = self.rules.layer(blob, chunk.manifest, index)
             except CorruptEntryError as exc:
-                self._recompute(chunk, str(exc), index, damaged=True)
-        keys, values = [], []
+                self._recompute(chunk, exc, index, damaged=True)
+        layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]] = []
         for chunk in self.chunks:
             if chunk.fresh is not None:
-                keys.append(chunk.fresh.keys[index])
-                values.append(chunk.fresh.values[index])
+                layers.append((chunk.fresh.keys[index], chunk.fresh.values[index]))
             else:
-                k, v = decoded[id(chunk)]
-                keys.append(k)
-                values.append(v)
-        return self._to_device(keys, values)
+                layers.append(decoded[id(chunk)])
+        return self._to_device(layers)
 
     def _fetch(self, stored: list[PlannedChunk], index: int) -> list[bytes | CorruptEntryError | None]:
         """Layer ``index`` of each stored chunk. A failing store recomputes them all (that is not damage)."""
@@ -216,34 +221,45 @@ class PipelinedKVSource(CachedKVSource):
         if self._stream is not None:
             self._fresh_ready = self._mark_fresh_ready()
 
-    def _recompute(self, chunk: PlannedChunk, reason: str, index: int, *, damaged: bool) -> None:
-        logger.warning("stored KV of chunk %s... unusable at layer %d (%s); recomputing it",
-                       chunk.key[:12], index, reason)
+    def _recompute(self, chunk: PlannedChunk, reason: CorruptEntryError | str, index: int, *, damaged: bool) -> None:
+        log = logger.debug if isinstance(reason, MissingLayerError) else logger.warning
+        log("stored KV of chunk %s... unusable at layer %d (%s); recomputing it", chunk.key[:12], index, reason)
         chunk.fresh = self.engine.prefill_chunk(chunk.segment.token_ids, prefix_ids=chunk.segment.prefix_ids)
         if self._stream is not None:
             self._fresh_ready = self._mark_fresh_ready()
-        chunk.damaged = reason if damaged else None
+        chunk.damaged = str(reason) if damaged else None
         if self.on_damaged is not None and damaged:
-            self.on_damaged(chunk, reason, chunk.fresh)
+            self.on_damaged(chunk, reason if isinstance(reason, CorruptEntryError) else CorruptEntryError(reason),
+                            chunk.fresh)
 
     def _to_device(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor]
+        self, layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        """K and V of each chunk's layer on the engine's device. ``layers`` holds a stored chunk's
+        :class:`PackedLayer` or a fresh chunk's (K, V)."""
         if self._stream is None:
-            return [t.to(self.device) for t in keys], [t.to(self.device) for t in values], None
-        # CUDA: copy the (16-bit) bytes from pinned memory on a side stream and convert on the
-        # device. Freshly computed chunks are already there; the side stream waits for exactly
-        # their kernels (an event), never for the blend's own work, or the overlap would be lost.
-        if any(t.device.type != "cpu" for t in keys):
+            keys, values = [], []
+            for layer in layers:
+                if isinstance(layer, PackedLayer):
+                    # A float codec stays as stored (the engine converts while rotating); a quantized
+                    # one is expanded here, on this thread, into the compute dtype.
+                    layer = layer.unpacked(self.dtype if layer.codec.lossy else None)
+                keys.append(layer[0].to(self.device))
+                values.append(layer[1].to(self.device))
+            return keys, values, None
+        # CUDA: copy the stored bytes (16 bits, or 8 or 4 and their scales) from pinned memory on a
+        # side stream and expand or convert on the device. Freshly computed chunks are already
+        # there; the side stream waits for exactly their kernels (an event), never for the blend's
+        # own work, or the overlap would be lost.
+        if any(not isinstance(layer, PackedLayer) for layer in layers):
             self._stream.wait_event(self._fresh_ready)
+        keys, values = [], []
         with torch.cuda.stream(self._stream):
-            def move(t: torch.Tensor) -> torch.Tensor:
-                if t.device.type == "cpu":
-                    t = t.pin_memory().to(self.device, non_blocking=True)
-                return t.to(self.dtype)
-
-            moved_keys = [move(t) for t in keys]
-            moved_values = [move(t) for t in values]
+            for layer in layers:
+                if isinstance(layer, PackedLayer):
+                    layer = layer.pin_memory().to(self.device, non_blocking=True).unpacked(self.dtype)
+                keys.append(layer[0].to(self.dtype))
+                values.append(layer[1].to(self.dtype))
             event = torch.cuda.Event()
             event.record(self._stream)
-        return moved_keys, moved_values, event
+        return keys, values, event

@@ -49,7 +49,7 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
 from cacheblend_rag.store.errors import StoreError
 from cacheblend_rag.store.factory import register_store_scheme
-from cacheblend_rag.store.format import decode_manifest
+from cacheblend_rag.store.format import peek_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +296,9 @@ class RedisKVStore(KVStore):
             self._mark_up()
 
     # ----------------------------------------------------------------- keys
-    def bind_model(self, fingerprint: str) -> None:
+    def bind_model(self, fingerprint: str, *, max_value_bytes: int | None = None) -> None:
         """Put this store's keys under ``fingerprint``'s namespace, unless one was set explicitly."""
+        super().bind_model(fingerprint, max_value_bytes=max_value_bytes)
         if self.namespace is None:
             self.namespace = model_namespace(fingerprint)
         elif self.namespace != model_namespace(fingerprint):
@@ -358,7 +359,7 @@ class RedisKVStore(KVStore):
             return pipe.execute()
 
     def add_manifest(self, key: str, data: bytes) -> bool:
-        manifest = decode_manifest(data, expected_key=key)  # the script needs its write id and layer count
+        manifest = peek_manifest(data)  # the script needs its write id and layer count
         name = self._hash(key)
         with self._io("write a manifest"):
             result = self._add_manifest(
@@ -406,6 +407,12 @@ class RedisKVStore(KVStore):
         ):
             if has_manifest:
                 yield name.decode().rsplit("{", 1)[1].rstrip("}")
+
+    def manifests(self) -> Iterator[tuple[str, Any]]:
+        """Every chunk's manifest in scope (every model's when no namespace is bound)."""
+        for name, (manifest,) in self._per_chunk("read manifests", lambda pipe, name: pipe.hget(name, MANIFEST_FIELD), 1):
+            if manifest is not None:
+                yield name.decode().rsplit("{", 1)[1].rstrip("}"), manifest
 
     # ---------------------------------------------------------------- admin
     def record(self, **counts: int) -> None:

@@ -171,9 +171,10 @@ class TieredKVStore(KVStore):
         """The slowest tier, whose counters and size stand for the whole store."""
         return self.tiers[-1]
 
-    def bind_model(self, fingerprint: str) -> None:
+    def bind_model(self, fingerprint: str, *, max_value_bytes: int | None = None) -> None:
+        super().bind_model(fingerprint, max_value_bytes=max_value_bytes)
         for tier in self.tiers:
-            tier.bind_model(fingerprint)
+            tier.bind_model(fingerprint, max_value_bytes=max_value_bytes)
 
     def record(self, **counts: int) -> None:
         super().record(**counts)

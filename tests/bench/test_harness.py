@@ -14,7 +14,7 @@ from cacheblend_rag.errors import ConfigError
 FAST = dict(max_new_tokens=4, teacher_tokens=4, throughput_new_tokens=4, throughput_requests=1, show_progress=False)
 
 METHOD_KEYS = {
-    "name", "family", "kind", "selection", "ratio", "prefix_conditioned", "examples", "ttft_s", "ttft_speedup",
+    "name", "family", "kind", "selection", "ratio", "prefix_conditioned", "storage", "examples", "ttft_s", "ttft_speedup",
     "cold_ttft_s", "decode_tokens_per_s", "throughput_rps", "throughput_requests", "precompute",
     "recompute_fraction", "quality", "added_as_reference",
 }

@@ -83,3 +83,13 @@ def test_blend_config_per_method():
     assert (cfg.recompute_ratio, cfg.selection, cfg.check_layer) == (0.3, "sink_aware", 2)
     with pytest.raises(ValueError):
         MethodSpec("full_prefill").blend_config(base)
+
+
+def test_a_method_may_name_its_storage_codec():
+    specs = parse_methods("full_reuse:int8,query_profiled+prefix@0.15:int4,cacheblend@0.15", [0.15])
+    assert [s.name for s in specs] == ["full_reuse:int8", "query_profiled+prefix@0.15:int4", "cacheblend@0.15"]
+    assert [s.storage for s in specs] == ["int8", "int4", None]
+    with pytest.raises(ConfigError, match="storage 'int3' is not one of"):
+        parse_methods("full_reuse:int3", [0.15])
+    with pytest.raises(ConfigError, match="takes neither"):
+        parse_methods("full_prefill:int8", [0.15])

@@ -32,6 +32,7 @@ def test_both_integrations_expose_every_blend_field_with_the_same_default():
 
 
 @pytest.mark.parametrize("field, value", [("recompute_ratio", 1.5), ("selection", "nope"), ("profile_tokens", 0),
+                                          ("storage_dtype", "int3"),
                                           ("deviation", "both"), ("check_layer", 9), ("store_size_limit", "lots")])
 def test_both_integrations_refuse_a_bad_value_with_the_same_message(engine, field, value):
     messages = []
@@ -88,3 +89,12 @@ def test_both_integrations_answer_a_prompt_the_same_way(engine):
     assert lc.content == li.message.content
     for key in ("mode", "cached_tokens", "recomputed_tokens", "chunks_found", "prompt_tokens"):
         assert lc.response_metadata[key] == li.additional_kwargs[key], key
+
+
+def test_both_integrations_store_chunks_in_the_codec_asked_for(engine):
+    for cls in (CacheBlendLLM, ChatCacheBlend):
+        quantized = cls(engine=engine, storage_dtype="int8")
+        assert quantized.chunk_cache.codec.name == "int8"
+        assert quantized.chunk_cache is not cls(engine=engine).chunk_cache  # another key space
+        with pytest.raises(ValidationError, match="storage_dtype='int3' is not supported"):
+            cls(engine=engine, storage_dtype="int3")

@@ -12,6 +12,7 @@ import torch
 from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore, TieredKVStore
+from cacheblend_rag.store.codec import codec_named
 from cacheblend_rag.store.format import decode_manifest, encode_layer, encode_manifest
 from cacheblend_rag.store.loader import PipelinedKVSource
 
@@ -98,13 +99,19 @@ def test_sixteen_bit_storage_is_close_and_half_the_bytes(engine, tmp_path, store
 
 
 def test_auto_storage_dtype_falls_back_to_bfloat16_beyond_float16_range(engine):
+    from cacheblend_rag.engine import ChunkKV
+
     cache = ChunkCache(engine)
     small, huge = torch.ones(2, 3, 4), torch.full((2, 3, 4), 1e6)
-    assert cache._storage_dtype(small, small) == torch.float16
-    assert cache._storage_dtype(small, huge) == torch.bfloat16
-    assert cache._storage_dtype(small.bfloat16(), small.bfloat16()) == torch.bfloat16
-    with pytest.raises(ConfigError, match="storage_dtype"):
-        ChunkCache(engine, storage_dtype="int8")
+
+    def chunk(*tensors):
+        return ChunkKV((1, 2, 3), [tensors[0]], [tensors[1]])
+
+    assert cache.codec_for(chunk(small, small)).name == "float16"
+    assert cache.codec_for(chunk(small, huge)).name == "bfloat16"
+    assert cache.codec_for(chunk(small.bfloat16(), small.bfloat16())).name == "bfloat16"
+    with pytest.raises(ConfigError, match="storage_dtype='int3' is not supported"):
+        ChunkCache(engine, storage_dtype="int3")
 
 
 def test_misses_are_computed_used_and_written_back(engine, disk_cache, stored_prompt, chunk_ids):
@@ -176,7 +183,7 @@ def test_loader_reads_the_next_layer_ahead(engine, disk_cache, chunk_ids):
     store.get_layers = recording
     _, hits, _ = disk_cache.open_source(engine, [StoredSegment(ids) for ids in chunk_ids])
     source = PipelinedKVSource(store, engine, disk_cache.open_source(engine, [StoredSegment(chunk_ids[0])])[0].chunks,
-                               first_layer=1)
+                               disk_cache.rules, first_layer=1)
     k, v = source.layer(1)
     source._futures[2].result()
     assert fetched[-2:] == [1, 2] and k.shape == v.shape and k.dtype == engine.dtype
@@ -203,7 +210,7 @@ def _damage(cache, key, kind, engine):
         store._cache.delete(f"l:{key}:{manifest.write_id}:{layer}")
     elif kind == "wrong-shape":
         h, n, d = manifest.layer_shape
-        bad = encode_layer(torch.zeros(h, n + 1, d), torch.zeros(h, n + 1, d))
+        bad = encode_layer(torch.zeros(h, n + 1, d), torch.zeros(h, n + 1, d), codec_named("float32"))
         store.put_layer(key, manifest.write_id, layer, bad)
         digests = list(manifest.layer_digests)
         digests[layer] = bad[-16:].hex()
@@ -218,7 +225,7 @@ def _damage(cache, key, kind, engine):
         raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["wrong-checksum", "payload-bit-flip", "truncated", "garbage", "missing-layer",
+@pytest.mark.parametrize("kind", ["wrong-checksum", "payload-bit-flip", "truncated", "garbage",
                                   "wrong-shape", "garbage-manifest", "manifest-of-another-shape"])
 def test_corrupt_entry_is_detected_counted_deleted_and_recomputed(engine, disk_cache, stored_prompt, chunk_ids,
                                                                   kind, caplog):
@@ -238,6 +245,23 @@ def test_corrupt_entry_is_detected_counted_deleted_and_recomputed(engine, disk_c
     again = engine.blend(stored, store=disk_cache)
     assert again.stats.cache_hits == 3 and disk_cache.stats().corrupt == 1
     torch.testing.assert_close(again.logits, result.logits, **EXACT)
+
+
+def test_a_layer_lost_to_eviction_is_an_eviction_quietly_recomputed_not_corruption(
+    engine, disk_cache, stored_prompt, chunk_ids, caplog
+):
+    stored, in_memory = stored_prompt
+    disk_cache.warm(TEXTS)
+    key = disk_cache.key_for(chunk_ids[1])
+    _damage(disk_cache, key, "missing-layer", engine)
+    with caplog.at_level(logging.INFO):
+        result = engine.blend(stored, store=disk_cache)
+        disk_cache.flush()
+    torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    stats = disk_cache.stats()
+    assert stats.corrupt == 0 and stats.evictions == 1
+    assert engine.blend(stored, store=disk_cache).stats.cache_hits == 3  # written back whole
 
 
 # --------------------------------------------------------------- failure

@@ -9,57 +9,56 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from cacheblend_rag.store.codec import codec_named
 from cacheblend_rag.store.errors import CorruptEntryError
 from cacheblend_rag.store.format import (
-    DIGEST_SIZE,
+    CHECKSUM_SIZE,
+    MAC_SIZE,
     Manifest,
+    Tagger,
+    UnauthenticatedReaderError,
     decode_layer,
     decode_manifest,
-    decode_tensor,
     encode_layer,
     encode_manifest,
-    encode_tensor,
+    peek_manifest,
     value_digest,
 )
 
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_tensor_round_trip_keeps_shape_dtype_and_values(dtype):
-    t = torch.randn(2, 3, 7, 5).to(dtype)
-    out = decode_tensor(encode_tensor(t))
-    assert out.dtype == dtype and out.shape == t.shape
-    assert torch.equal(out, t)
+F16 = codec_named("float16")
+F32 = codec_named("float32")
 
 
-def test_encoding_converts_to_the_storage_dtype():
-    t = torch.randn(4, 4)
-    out = decode_tensor(encode_tensor(t, torch.bfloat16))
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), t, atol=0.02, rtol=0.01)
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32"])
+def test_float_layers_round_trip_exactly_in_their_dtype(name):
+    codec = codec_named(name)
+    k, v = torch.randn(2, 7, 4).to(codec.dtype), torch.randn(2, 7, 4).to(codec.dtype)
+    k2, v2 = decode_layer(encode_layer(k, v, codec), (2, 7, 4)).unpacked()
+    assert k2.dtype == codec.dtype and torch.equal(k2, k) and torch.equal(v2, v)
 
 
-def test_empty_tensor_round_trips():
-    assert decode_tensor(encode_tensor(torch.empty(2, 0, 3))).shape == (2, 0, 3)
+def test_encoding_converts_to_the_codecs_dtype():
+    k = torch.randn(2, 4, 4)
+    k2, _ = decode_layer(encode_layer(k, k, codec_named("bfloat16"))).unpacked()
+    assert k2.dtype == torch.bfloat16
+    torch.testing.assert_close(k2.float(), k, atol=0.02, rtol=0.01)
 
 
 def test_layer_round_trip_and_shape_check():
     k, v = torch.randn(2, 9, 4), torch.randn(2, 9, 4)
-    blob = encode_layer(k, v)
-    k2, v2 = decode_layer(blob, (2, 9, 4))
+    blob = encode_layer(k, v, F32)
+    k2, v2 = decode_layer(blob, (2, 9, 4)).unpacked()
     assert torch.equal(k2, k) and torch.equal(v2, v)
     with pytest.raises(CorruptEntryError, match="shape"):
         decode_layer(blob, (2, 10, 4))
-    with pytest.raises(CorruptEntryError, match="shape"):
-        decode_layer(encode_tensor(torch.randn(3, 2, 9, 4)))
+    with pytest.raises(CorruptEntryError, match="stored as float32, its manifest says float16"):
+        decode_layer(blob, codec=F16)
+    with pytest.raises(ValueError, match="kv_heads, tokens, head_dim"):
+        encode_layer(torch.randn(3, 2, 9, 4), torch.randn(3, 2, 9, 4), F32)
 
 
-def test_unstorable_tensors_are_refused_when_encoding():
-    with pytest.raises(TypeError, match="storable"):
-        encode_tensor(torch.ones(3, dtype=torch.int64))
-
-
-def _valid_blob() -> bytes:
-    return encode_layer(torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+def _valid_blob(codec=F16) -> bytes:
+    return encode_layer(torch.randn(2, 5, 4), torch.randn(2, 5, 4), codec)
 
 
 @pytest.mark.parametrize(
@@ -73,34 +72,53 @@ def _valid_blob() -> bytes:
         pytest.param(lambda b: b[:-1] + bytes([b[-1] ^ 0xFF]), id="wrong-checksum"),
         pytest.param(lambda b: b"XXXX" + b[4:], id="bad-magic"),
         pytest.param(lambda b: b[:4] + struct.pack("<H", 99) + b[6:], id="future-version"),
-        pytest.param(lambda b: b[:6] + bytes([77]) + b[7:], id="unknown-dtype"),
-        pytest.param(lambda b: b[:7] + bytes([200]) + b[8:], id="absurd-ndim"),
-        pytest.param(lambda b: b[:8] + struct.pack("<I", 2**31) + b[12:], id="shape-too-large"),
+        pytest.param(lambda b: b[:4] + struct.pack("<H", 2) + b[6:], id="format-version-2"),
+        pytest.param(lambda b: b[:6] + bytes([77]) + b[7:], id="unknown-codec"),
+        pytest.param(lambda b: b[:7] + bytes([b[7] | 1]) + b[8:], id="claims-a-mac"),
+        pytest.param(lambda b: b[:12] + struct.pack("<I", 2**31) + b[16:], id="shape-too-large"),
         pytest.param(lambda b: b"", id="empty"),
     ],
 )
 def test_damaged_layer_values_raise_corrupt_entry_error(damage):
     with pytest.raises(CorruptEntryError):
-        decode_tensor(damage(_valid_blob()))
+        decode_layer(damage(_valid_blob()))
+
+
+@pytest.mark.parametrize("value", ["a string", 12, 3.5, None, ["list"], {"a": 1}], ids=lambda v: type(v).__name__)
+def test_values_of_other_types_are_corrupt_not_a_crash(value):
+    with pytest.raises(CorruptEntryError, match="not bytes"):
+        decode_layer(value)
+    with pytest.raises(CorruptEntryError, match="not bytes"):
+        decode_manifest(value)
+
+
+@pytest.mark.parametrize("codec", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_with_a_matching_checksum_are_corrupt(codec, bad):
+    k = torch.randn(2, 5, 4)
+    k[1, 2, 3] = bad
+    blob = encode_layer(k, torch.randn(2, 5, 4), codec_named(codec, 4))
+    with pytest.raises(CorruptEntryError, match="NaN or infinite"):
+        decode_layer(blob)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_crash_and_never_decode(data):
     with pytest.raises(CorruptEntryError):
-        decode_tensor(data)
+        decode_layer(data)
     with pytest.raises(CorruptEntryError):
         decode_manifest(data)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_any_single_byte_change_of_a_valid_value_is_detected(data):
-    blob = bytearray(_valid_blob())
+@given(st.data(), st.sampled_from(["float16", "int8", "int4"]))
+def test_any_single_byte_change_of_a_valid_value_is_detected(data, codec):
+    blob = bytearray(_valid_blob(codec_named(codec, 4)))
     index = data.draw(st.integers(0, len(blob) - 1))
     blob[index] ^= data.draw(st.integers(1, 255))
     with pytest.raises(CorruptEntryError):
-        decode_tensor(bytes(blob))
+        decode_layer(bytes(blob))
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,12 +128,13 @@ def test_random_headers_with_the_right_magic_never_crash(prefix, cut):
     candidate = b"CBKV" + prefix + blob[4 + cut :]
     assume(candidate != blob)
     with pytest.raises(CorruptEntryError):
-        decode_tensor(candidate)
+        decode_layer(candidate)
 
 
-def _manifest() -> Manifest:
+def _manifest(tag_size: int = CHECKSUM_SIZE) -> Manifest:
     return Manifest(key="ab" * 32, write_id="0123", num_layers=2, num_tokens=5, kv_heads=2, head_dim=4,
-                    layer_digests=("aa", "bb"), nbytes=100, created=1.5)
+                    codec="float16", group=0, layer_digests=("aa" * tag_size, "bb" * tag_size), nbytes=100,
+                    created=1.5)
 
 
 def test_manifest_round_trip_and_key_check():
@@ -125,7 +144,8 @@ def test_manifest_round_trip_and_key_check():
         decode_manifest(encode_manifest(m), expected_key="cd" * 32)
 
 
-@pytest.mark.parametrize("field,value", [("num_layers", 0), ("layer_digests", ("aa",)), ("num_tokens", -1)])
+@pytest.mark.parametrize("field,value", [("num_layers", 0), ("layer_digests", ("aa" * 16,)), ("num_tokens", -1),
+                                         ("layer_digests", ("aa", "bb")), ("created", float("nan"))])
 def test_manifest_with_inconsistent_fields_is_corrupt(field, value):
     fields = {**_manifest().__dict__, field: value}
     with pytest.raises(CorruptEntryError):
@@ -142,15 +162,50 @@ def test_any_single_byte_change_of_a_manifest_is_detected(data):
         decode_manifest(bytes(blob))
 
 
-def test_value_digest_is_the_trailing_checksum():
+def test_value_digest_is_the_trailing_tag():
     blob = _valid_blob()
-    assert value_digest(blob) == blob[-DIGEST_SIZE:].hex()
+    assert value_digest(blob) == blob[-CHECKSUM_SIZE:].hex()
+    signed = encode_layer(torch.randn(2, 5, 4), torch.randn(2, 5, 4), F16, Tagger(b"k" * 32))
+    assert value_digest(signed) == signed[-MAC_SIZE:].hex()
 
 
-def test_scalars_and_non_contiguous_views_round_trip():
-    assert decode_tensor(encode_tensor(torch.tensor(3.0))).item() == 3.0
-    view = torch.randn(4, 5).t()[1:3]
-    assert torch.equal(decode_tensor(encode_tensor(view)), view)
+def test_non_contiguous_views_round_trip():
     k, v = torch.randn(5, 2, 4).transpose(0, 1), torch.randn(2, 5, 4)
-    k2, v2 = decode_layer(encode_layer(k, v))
+    k2, v2 = decode_layer(encode_layer(k, v, F32)).unpacked()
     assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_manifest_json_nested_deeply_is_corrupt_even_with_a_valid_checksum():
+    import json
+
+    import xxhash
+
+    from cacheblend_rag.store import format as fmt
+
+    nested = ("[" * 100_000 + "]" * 100_000).encode()
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(nested)) + nested
+    with pytest.raises(CorruptEntryError, match="nested deeper"):
+        decode_manifest(body + xxhash.xxh3_128_digest(body))
+    big = json.dumps({"x": "a" * (fmt.MAX_MANIFEST_JSON + 1)}).encode()
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(big)) + big
+    with pytest.raises(CorruptEntryError, match="more than any manifest"):
+        decode_manifest(body + xxhash.xxh3_128_digest(body))
+
+
+def test_authenticated_values_need_the_key_and_forgery_fails():
+    key, other = Tagger(b"k" * 32), Tagger(b"x" * 32)
+    k, v = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    signed = encode_layer(k, v, F16, key)
+    assert torch.equal(decode_layer(signed, tagger=key).unpacked()[0], k.half())
+    with pytest.raises(CorruptEntryError, match="fails its MAC"):
+        decode_layer(signed, tagger=other)
+    with pytest.raises(UnauthenticatedReaderError):
+        decode_layer(signed)  # a reader without the key cannot check it
+    plain = encode_layer(k, v, F16)  # what a forger without the key can make: a valid checksum
+    with pytest.raises(CorruptEntryError, match="carries no MAC"):
+        decode_layer(plain, tagger=key)
+    manifest = _manifest(MAC_SIZE)
+    data = encode_manifest(manifest, key)
+    assert decode_manifest(data, tagger=key) == manifest and peek_manifest(data) == manifest
+    with pytest.raises(CorruptEntryError, match="carries no MAC"):
+        decode_manifest(encode_manifest(_manifest()), tagger=key)

@@ -13,7 +13,7 @@ def test_key_is_stable_across_processes():
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == chunk_key("model-a", [1, 2, 3], [9])
     # A literal, so that a change of the key derivation (which orphans every store) is deliberate.
-    assert chunk_key("model-a", [1, 2, 3], [9]) == "f1b693e646b6b8ac2e486b43143d40ddb93dc40818d3d2aebc9775be02e5a934"
+    assert chunk_key("model-a", [1, 2, 3], [9]) == "11804ca3b843284eeb84e731a7fd85c700a58bd34d6b81bce34b53be4d5349c5"
 
 
 def test_every_input_changes_the_key():
@@ -26,8 +26,12 @@ def test_every_input_changes_the_key():
         # the same ids split differently between prefix and chunk
         chunk_key("model-a", [9, 1, 2, 3], []),
         chunk_key("model-a", [2, 3], [9, 1]),
+        # lossy codecs get keys of their own, one per group size
+        chunk_key("model-a", [1, 2, 3], [9], codec_tag="int8-g64"),
+        chunk_key("model-a", [1, 2, 3], [9], codec_tag="int8-g32"),
+        chunk_key("model-a", [1, 2, 3], [9], codec_tag="int4-g64"),
     }
-    assert base not in variants and len(variants) == 6
+    assert base not in variants and len(variants) == 9
 
 
 def test_keys_of_a_real_engine_depend_on_its_weights():

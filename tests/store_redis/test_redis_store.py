@@ -17,7 +17,8 @@ from redis_workers import QUESTION, corpus  # noqa: E402
 
 def _manifest(key: str, write_id: str, num_layers: int = 3) -> bytes:
     return encode_manifest(Manifest(key=key, write_id=write_id, num_layers=num_layers, num_tokens=1, kv_heads=1,
-                                    head_dim=1, layer_digests=("00",) * num_layers, nbytes=3, created=0.0))
+                                    head_dim=1, codec="float16", group=0, layer_digests=("00" * 16,) * num_layers,
+                                    nbytes=3, created=0.0))
 
 
 def _store(url: str, **options) -> RedisKVStore:
