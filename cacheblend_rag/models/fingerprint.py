@@ -3,42 +3,72 @@
 Chunk KV is only valid for the exact model that produced it, so every store key
 and every ChunkKV carries this fingerprint. It is built from content (never
 Python's ``hash()``), so it is the same across processes and machines.
+
+The weights' digest is remembered per model object together with a *stamp*: each tensor's
+storage address, version counter (which torch advances on every in-place change), shape and
+dtype. Taking the stamp costs well under a millisecond; when it differs (weights changed in
+place, replaced, or a copy of the model), the digest is computed again from the tensors. A
+model whose weights are inference tensors has no version counters: then in-place changes
+cannot be seen, and :func:`weights_stamp` says so (``tracks_changes``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
+import xxhash
 from torch import nn
 
-_DIGEST_ATTR = "_cacheblend_weights_digest"
+# model -> (stamp, digest): weak, so a model's entry goes with it; a copy of a model is another key.
+_DIGESTS: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, str]]" = weakref.WeakKeyDictionary()
+
+
+class WeightsStamp(NamedTuple):
+    tensors: tuple[tuple[str, int, int | None, tuple[int, ...], str], ...]
+
+    @property
+    def tracks_changes(self) -> bool:
+        """Whether in-place changes show in the stamp (inference tensors keep no version counter)."""
+        return all(version is not None for _, _, version, _, _ in self.tensors)
+
+
+def weights_stamp(model: nn.Module) -> WeightsStamp:
+    """What changes when a weight changes: every parameter's and buffer's storage, version, shape, dtype."""
+    parts = []
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        try:
+            version: int | None = tensor._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        parts.append((name, tensor.data_ptr(), version, tuple(tensor.shape), str(tensor.dtype)))
+    return WeightsStamp(tuple(parts))
 # Config keys that describe where or how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation",
                          "_commit_hash", "quantization_config", "architectures"}
 
 
-def set_weights_digest(model: nn.Module, digest: str) -> None:
-    """Record a digest computed from the weight files, so it need not be recomputed from tensors."""
-    setattr(model, _DIGEST_ATTR, digest)
-
-
 def weights_digest(model: nn.Module) -> str:
-    """Digest of every parameter and buffer (cached on the model object)."""
-    cached = getattr(model, _DIGEST_ATTR, None)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256()
+    """Digest of every parameter and buffer, computed again whenever :func:`weights_stamp` changes."""
+    stamp = weights_stamp(model)
+    known = _DIGESTS.get(model)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    # XXH3: a content identity, not a defence against crafted weights; about 10x faster than SHA-256.
+    h = xxhash.xxh3_128()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         t = tensor.detach().to("cpu").contiguous()
         h.update(str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     digest = h.hexdigest()
-    set_weights_digest(model, digest)
+    _DIGESTS[model] = (stamp, digest)
     return digest
 
 

@@ -49,7 +49,7 @@ from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES, Codec, codec_named, float_codec
+from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, codec_named, float_codec
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
@@ -132,14 +132,21 @@ class ChunkCache:
         self._warned_unauthenticated = False
 
     # ----------------------------------------------------------------- keys
-    def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None) -> str:
+    def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None, *,
+                fingerprint: str | None = None) -> str:
+        """The store key of a chunk; pass ``fingerprint`` when keying many chunks of one request."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
         tag = self.codec.tag if self.codec is not None else ""
-        return chunk_key((engine or self.engine).fingerprint, token_ids, prefix, codec_tag=tag)
+        return chunk_key(fingerprint or (engine or self.engine).fingerprint, token_ids, prefix, codec_tag=tag)
 
-    def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> bool:
+    def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, *,
+                 fingerprint: str | None = None) -> bool:
+        key = self.key_for(token_ids, prefix_ids, fingerprint=fingerprint)
         try:
-            return self.store.contains(self.key_for(token_ids, prefix_ids))
+            return self.store.contains(key)
+        except CorruptEntryError as exc:  # a foreign value under the key: not a chunk, and in the way
+            self._discard(key, exc)
+            return False
         except (StoreError, OSError) as exc:
             self._warn("read", exc)
             return False
@@ -237,7 +244,8 @@ class ChunkCache:
 
         ``first_layer`` is the layer the blend reads first (read ahead before any other);
         by default it is derived from the engine's own config."""
-        keys = [self.key_for(s.token_ids, s.prefix_ids, engine) for s in segments]
+        fingerprint = engine.fingerprint  # once per request: it checks the weights
+        keys = [self.key_for(s.token_ids, s.prefix_ids, fingerprint=fingerprint) for s in segments]
         manifests = self._fetch_manifests(keys)
         plans: list[PlannedChunk | None] = []
         missing: list[int] = []
@@ -406,13 +414,14 @@ class ChunkCache:
         like any other chunk."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         summary = WarmSummary()
+        fingerprint = self.engine.fingerprint  # once: it checks the weights
         todo: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
         for item in items:
             ids = self._ids(item)
             if not ids:
                 continue
-            if ids in seen or self.contains(ids, prefix):
+            if ids in seen or self.contains(ids, prefix, fingerprint=fingerprint):
                 summary.present += 1
             else:
                 todo.append(ids)
@@ -425,7 +434,8 @@ class ChunkCache:
             # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
             for future in writes:
                 self._tally(summary, future.result())
-            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids), c, lossless)
+            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids,
+                                                                           fingerprint=fingerprint), c, lossless)
                       for c in chunks]
             bar.update(len(batch))
         for future in writes:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -47,7 +48,7 @@ from redis.retry import Retry
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
-from cacheblend_rag.store.errors import StoreError
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import register_store_scheme
 from cacheblend_rag.store.format import peek_manifest
 
@@ -86,11 +87,36 @@ return 1
 """
 
 
-# KEYS[1] chunk hash. Returns 1 if the chunk had a manifest.
+# KEYS[1] chunk hash. Returns 1 if the chunk had a manifest. A key of another type (written by
+# another program) is removed too: it can never be a chunk.
 _DELETE = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
+  redis.call('UNLINK', KEYS[1])
+  return 0
+end
 local had = redis.call('HEXISTS', KEYS[1], 'm')
 redis.call('UNLINK', KEYS[1])
 return had
+"""
+
+# KEYS[1] counters hash; ARGV: field, increment, ... Returns the hash's epoch ('' if it has none:
+# it was just created) and the new totals, in order.
+_RECORD = """
+local result = {redis.call('HGET', KEYS[1], 'epoch') or ''}
+for i = 1, #ARGV, 2 do
+  result[#result + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return result
+"""
+
+# KEYS[1] counters hash; ARGV[1] epoch, then field, amount, ... Adds the amounts and sets the epoch,
+# only if no epoch is set (so of several replicas that saw the hash evicted, one restores it).
+_RESTORE = """
+if redis.call('HSETNX', KEYS[1], 'epoch', ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
 """
 
 
@@ -100,14 +126,18 @@ def model_namespace(fingerprint: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its password (kept: scheme, user, host, port, database)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return urlunsplit(parts._replace(query=""))
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    host = parts.hostname or ""
-    netloc = user + (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc, query=""))
+    """``url`` without its password (kept: scheme, user, host, port, database); never raises."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return urlunsplit(parts._replace(query=""))
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        host = parts.hostname or ""
+        _, _, port = parts.netloc.rpartition("@")[2].rpartition(":")  # as written, valid or not
+        netloc = user + (f"[{host}]" if ":" in host else host) + (f":{port}" if port and "]" not in port else "")
+        return urlunsplit(parts._replace(netloc=netloc, query=""))
+    except ValueError:
+        return "redis://***"
 
 
 def _layer_field(write_id: str, layer: int) -> bytes:
@@ -203,6 +233,11 @@ class RedisKVStore(KVStore):
         self._put_layer = self._client.register_script(_PUT_LAYER)
         self._add_manifest = self._client.register_script(_ADD_MANIFEST)
         self._delete = self._client.register_script(_DELETE)
+        self._record = self._client.register_script(_RECORD)
+        self._restore = self._client.register_script(_RESTORE)
+        # The shared counters as this replica last saw them, and the epoch of the hash they were in.
+        self._seen_totals: dict[str, int] = {}
+        self._epoch: str | None = None
         self._backoff = ExponentialBackoff(cap=self.max_backoff, base=0.25)
         self._health_lock = threading.Lock()
         self._failures = 0
@@ -222,10 +257,15 @@ class RedisKVStore(KVStore):
         if not parts.hostname:
             raise ConfigError(f"Redis URL {redact_url(str(url))!r} names no host; write redis://host:6379/0")
         try:
-            parts.port
+            port = parts.port
         except ValueError:
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535"
-                              ) from None
+            port = 0
+        if port == 0:
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535")
+        database = parts.path.strip("/")
+        if database and not database.isdigit():
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} names database {database!r}; a Redis database is "
+                              "a number, e.g. redis://host:6379/0")
         options = dict(parse_qsl(parts.query))
         return urlunsplit(parts._replace(query="")), options
 
@@ -330,7 +370,7 @@ class RedisKVStore(KVStore):
             pipe = self._client.pipeline(transaction=False)
             for name, field in names:
                 pipe.hget(name, field)
-            return pipe.execute()
+            return self._answers(pipe.execute(raise_on_error=False))
 
     def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
         name = self._hash(key)
@@ -356,7 +396,23 @@ class RedisKVStore(KVStore):
             pipe = self._client.pipeline(transaction=False)
             for name in names:
                 pipe.hget(name, MANIFEST_FIELD)
-            return pipe.execute()
+            return self._answers(pipe.execute(raise_on_error=False))
+
+    @staticmethod
+    def _answers(replies: list[Any]) -> list[Any]:
+        """Pipelined replies, with a key of the wrong type (another program's string or list under a
+        chunk's name) as a :class:`CorruptEntryError` for that chunk alone; any other error raises."""
+        out = []
+        for reply in replies:
+            if isinstance(reply, redis.exceptions.ResponseError):
+                if "WRONGTYPE" not in str(reply):
+                    raise reply
+                reply = CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash "
+                                          "(another program wrote it)")
+            elif isinstance(reply, Exception):
+                raise reply
+            out.append(reply)
+        return out
 
     def add_manifest(self, key: str, data: bytes) -> bool:
         manifest = peek_manifest(data)  # the script needs its write id and layer count
@@ -372,7 +428,12 @@ class RedisKVStore(KVStore):
     def contains(self, key: str) -> bool:
         name = self._hash(key)
         with self._io("look up a manifest"):
-            return bool(self._client.hexists(name, MANIFEST_FIELD))
+            try:
+                return bool(self._client.hexists(name, MANIFEST_FIELD))
+            except redis.exceptions.ResponseError as exc:
+                if "WRONGTYPE" in str(exc):
+                    raise CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash") from None
+                raise
 
     def delete(self, key: str) -> bool:
         name = self._hash(key)
@@ -422,12 +483,31 @@ class RedisKVStore(KVStore):
         if self.namespace is None or not any(counts.values()):
             super().record(**counts)
             return
+        fields = [(name, int(n)) for name, n in counts.items() if n]
         with self._io("update its counters"):
-            pipe = self._client.pipeline(transaction=False)
-            for name, n in counts.items():
-                if n:
-                    pipe.hincrby(self._counters_key(), name, int(n))
-            pipe.execute()
+            epoch, *totals = self._record(keys=[self._counters_key()], args=[x for field in fields for x in field])
+            epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch or "")
+            if not epoch:
+                # The hash was just created: the first count ever, or the server evicted it (under
+                # allkeys-lru any key may go). Put back what this replica last saw; what others added
+                # since it last looked is lost, nothing else is. A deliberate reset sets a new epoch.
+                if self._restore_counters():
+                    totals = [int(t) + self._seen_totals.get(name, 0) for (name, _), t in zip(fields, totals)]
+                epoch = self._epoch or ""
+            if epoch != self._epoch:
+                self._epoch = epoch
+            for (name, _), total in zip(fields, totals):
+                self._seen_totals[name] = int(total)
+
+    def _restore_counters(self) -> bool:
+        """Put back the totals this replica last saw, if the counters hash lost its epoch (it was evicted
+        and, perhaps, created again by an increment); ``True`` if this call restored them."""
+        lost = [x for name, seen in self._seen_totals.items() if seen for x in (name, seen)]
+        self._epoch = self._epoch or os.urandom(8).hex()
+        restored = bool(self._restore(keys=[self._counters_key()], args=[self._epoch, *lost]))
+        if restored and lost:
+            logger.info("the shared counters of %s were evicted; restored the totals this replica saw", self.describe())
+        return restored and bool(lost)
 
     def _counter_hashes(self) -> list[bytes]:
         if self.namespace is not None:
@@ -438,6 +518,11 @@ class RedisKVStore(KVStore):
         """Counts shared by every replica (summed over all models when no namespace is bound)."""
         totals = super().counters()
         with self._io("read its counters"):
+            if self._epoch is not None and self.namespace is not None:
+                # Evicted since this replica last counted: put back what it saw (best effort: a server
+                # out of memory refuses the write, and the read goes on without it).
+                with contextlib.suppress(redis.exceptions.ResponseError):
+                    self._restore_counters()
             for name in self._counter_hashes():
                 for field, value in self._client.hgetall(name).items():
                     if field.decode() in totals:
@@ -447,9 +532,16 @@ class RedisKVStore(KVStore):
     def reset_counters(self) -> None:
         super().reset_counters()
         with self._io("reset its counters"):
-            names = self._counter_hashes()
-            if names:
-                self._client.unlink(*names)
+            names = set(self._counter_hashes())
+            if self.namespace is not None:
+                names.add(self._counters_key())
+            # Zeros under a new epoch: replicas take them as a reset, not as an eviction to undo.
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.unlink(name)
+                pipe.hset(name, "epoch", os.urandom(8).hex())
+            pipe.execute()
+        self._seen_totals, self._epoch = {}, None
 
     def stats(self) -> StoreStats:
         def queue(pipe: Any, name: bytes) -> None:

@@ -1,4 +1,5 @@
-"""Fixtures of the Redis store tests: a real redis-server for the session, a tiny engine, a corpus."""
+"""Fixtures of the Redis store tests: a Redis Cluster, a tiny engine. The single server
+(``redis_server``, ``redis_url``, ``fresh_redis_server``) is in tests/conftest.py, for every test."""
 
 from __future__ import annotations
 
@@ -8,38 +9,8 @@ import pytest
 
 from cacheblend_rag import BlendConfig
 
-from redis_server import RedisClusterServers, RedisServer  # noqa: E402  (tests/store_redis is on sys.path under pytest)
-
-
-def _require_redis_server() -> None:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed; `make test` installs it (apt-get install redis-server)")
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """One server for the session; tests that kill a server start their own with ``fresh_redis_server``."""
-    _require_redis_server()
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server) -> str:
-    """The session server, emptied for this test."""
-    with redis_server.client() as client:
-        client.flushall()
-    return redis_server.url()
-
-
-@pytest.fixture
-def fresh_redis_server(tmp_path):
-    """A server of this test's own, free to be killed and restarted."""
-    _require_redis_server()
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
+from redis_server import RedisClusterServers  # noqa: E402  (tests/store_redis is on sys.path under pytest)
+from conftest_redis import require_redis_server as _require_redis_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")

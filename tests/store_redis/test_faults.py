@@ -120,3 +120,55 @@ def test_a_corrupt_value_in_redis_is_detected_recomputed_and_overwritten(engine,
     assert shared.get_layer(key, old.write_id, 2) is None
     assert shared.counters()["corrupt"] == 1
     replica_b.close()
+
+
+def test_a_key_of_another_type_is_corrupt_removed_and_recomputed(engine, redis_url, caplog):
+    """Another program SETs a string under a chunk's key: every read of that chunk used to fail with
+    WRONGTYPE, forever. Now it is corrupt: counted, removed, recomputed and written back."""
+    texts = corpus(3)
+    _warm_redis(engine, redis_url, texts)
+    store = RedisKVStore(redis_url)
+    with ChunkCache(engine, store, storage_dtype="float32") as cache:
+        key = cache.key_for(engine.tokenize(texts[1]))
+        with store._client.pipeline() as pipe:
+            pipe.delete(store._hash(key)).set(store._hash(key), "not a chunk").execute()
+        result = engine.blend(_segments(engine, texts), store=cache)
+        cache.flush()
+        torch.testing.assert_close(result.logits, _reference(engine, texts), rtol=0, atol=1e-5)
+        assert result.stats.cache_misses == 1 and cache.stats().corrupt == 1
+        assert store._client.type(store._hash(key)) == b"hash"  # written back as a chunk
+        assert engine.blend(_segments(engine, texts), store=cache).stats.cache_hits == 3
+        store._client.set(store._hash(key), "again")
+        assert cache.warm(texts).new == 1  # warm's lookup repairs it too
+
+
+def test_eviction_under_maxmemory_is_counted_quietly_and_the_counters_survive(engine, fresh_redis_server, caplog):
+    """allkeys-lru with room for about six chunks, twenty requests over eight: chunks are evicted
+    between a replica's manifest read and its layer reads, and the counters hash itself may go.
+    Evictions are evictions (no warning, nothing counted as corrupt) and the totals carry on."""
+    url = fresh_redis_server.url()
+    texts = corpus(8)
+    store = RedisKVStore(url)
+    with fresh_redis_server.client() as admin, ChunkCache(engine, store, storage_dtype="float32") as cache:
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        engine.blend(_segments(engine, texts[:2]), store=cache)  # connections and scripts in place, 2 chunks
+        cache.flush()
+        chunk_bytes = cache.stats().bytes // 2
+        admin.config_set("maxmemory", str(int(admin.info("memory")["used_memory"]) + 4 * chunk_bytes))
+    misses = 0
+    with caplog.at_level(logging.WARNING), ChunkCache(engine, store, storage_dtype="float32") as cache:
+        for request in range(20):
+            prompt = [texts[request % 8], texts[(request + 3) % 8]]
+            result = engine.blend(_segments(engine, prompt), store=cache)
+            torch.testing.assert_close(result.logits, _reference(engine, prompt), rtol=0, atol=1e-5)
+            misses += result.stats.cache_misses
+            cache.flush()
+        store._client.delete(store._counters_key())  # as the server's eviction would
+        engine.blend(_segments(engine, texts[:2]), store=cache)
+        cache.flush()
+        counters = store.counters()
+    with fresh_redis_server.client() as admin:
+        assert int(admin.info("stats")["evicted_keys"]) > 0  # the server did evict
+    assert not [m for m in _warnings(caplog) if "corrupt" in m], _warnings(caplog)
+    assert counters["corrupt"] == 0 and counters["hits"] > 0
+    assert counters["misses"] >= misses and counters["hits"] + counters["misses"] >= 2 * 21
