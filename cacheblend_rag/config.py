@@ -6,6 +6,7 @@ what it accepts, so a typo in a pipeline's settings fails where it is written.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -69,6 +70,13 @@ class BlendConfig:
     fallback_to_full_prefill:
         When the architecture is unsupported or the gate fails, answer with full
         prefill instead of raising.
+    min_blend_tokens:
+        A prompt with fewer cached tokens than this is answered by full prefill (exact, and no
+        slower there): on short prompts a blend's fixed costs (the profile pass, the store reads)
+        outweigh what reuse saves. The stats say so (``mode="full_prefill"``,
+        ``fallback_reason``). ``0`` always blends; ``None`` (default) takes the engine's
+        ``min_blend_tokens``, measured by ``benchmarks/bench_short_prompts.py`` (docs/quality.md,
+        "Short prompts").
     """
 
     recompute_ratio: float = 0.15
@@ -84,6 +92,7 @@ class BlendConfig:
     gate: bool = True
     gate_tolerance: float | None = None
     fallback_to_full_prefill: bool = False
+    min_blend_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_range("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
@@ -100,6 +109,8 @@ class BlendConfig:
             _check_range("profile_tokens", self.profile_tokens, 1, 1_000_000, integer=True)
         if self.gate_tolerance is not None:
             _check_range("gate_tolerance", self.gate_tolerance, 0.0, 1e6)
+        if self.min_blend_tokens is not None:
+            _check_range("min_blend_tokens", self.min_blend_tokens, 0, 10_000_000, integer=True)
         # Which strategies exist is the engine's registry (plugins may add some); the engine and the
         # integrations check the name against it when the config is first used.
         if not isinstance(self.selection, str) or not self.selection:
@@ -115,21 +126,47 @@ class BlendConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Sampling settings. ``temperature == 0`` means greedy decoding."""
+    """How the answer is decoded. A field left ``None`` takes the model's own generation config
+    (``model.generation_config``, as ``model.generate`` would): greedy unless that config samples,
+    with its temperature, top-p, top-k, min-p and repetition penalty. ``temperature=0`` is greedy.
+
+    json_schema:
+        Constrain the answer to JSON (structured output, tool calls): a JSON schema as text, or
+        ``"{}"`` for any JSON value. Decoding then allows only tokens that keep the answer a valid
+        prefix of such JSON, and ends when it is complete. It is also closed in time: once
+        ``max_new_tokens`` would run out first, only tokens that can still finish the JSON within
+        the tokens left are allowed (a cut answer is still valid JSON, its ``finish_reason``
+        "length").
+    json_only:
+        ``False``: the answer may be text instead (a tool call the model may or may not make). Its
+        first token decides: one that starts the JSON holds it to ``json_schema`` to the end, any
+        other leaves it free (a first token that starts some other JSON, or only whitespace, is
+        not allowed, so a call cannot slip past the constraint).
+    """
 
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    json_schema: str | None = None
+    json_only: bool = True
 
     def __post_init__(self) -> None:
         _check_range("max_new_tokens", self.max_new_tokens, 1, 1_000_000, integer=True)
-        _check_range("temperature", self.temperature, 0.0, 100.0)
-        if not 0.0 < self.top_p <= 1.0 or isinstance(self.top_p, bool):
+        if self.temperature is not None:
+            _check_range("temperature", self.temperature, 0.0, 100.0)
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p={self.top_p!r} is out of range; allowed range is (0, 1]")
-        _check_range("top_k", self.top_k, 0, 10_000_000, integer=True)
+        if self.top_k is not None:
+            _check_range("top_k", self.top_k, 0, 10_000_000, integer=True)
+        if self.min_p is not None:
+            _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.repetition_penalty is not None:
+            _check_range("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -137,7 +174,37 @@ class GenerationConfig:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"json_schema is not JSON text ({exc}); pass json.dumps(schema), or '{{}}' for "
+                                  "any JSON") from None
+            if not isinstance(schema, dict):
+                raise ConfigError("json_schema must be a JSON object (a schema), e.g. '{\"type\": \"object\"}'")
+        if not isinstance(self.json_only, bool):
+            raise ConfigError(f"json_only={self.json_only!r} must be True or False")
+
+    def resolved(self, model_defaults: Any = None) -> "GenerationConfig":
+        """Every sampling field concrete: unset ones from ``model_defaults`` (a transformers
+        ``GenerationConfig``, or ``None``), else greedy with no penalty."""
+        samples = bool(getattr(model_defaults, "do_sample", False))
+
+        def default(name: str, fallback: Any) -> Any:
+            value = getattr(model_defaults, name, None) if samples or name == "repetition_penalty" else None
+            return fallback if value is None else value
+
+        return replace(
+            self,
+            temperature=self.temperature if self.temperature is not None else (default("temperature", 1.0) if samples
+                                                                                else 0.0),
+            top_p=self.top_p if self.top_p is not None else default("top_p", 1.0),
+            top_k=self.top_k if self.top_k is not None else default("top_k", 0),
+            min_p=self.min_p if self.min_p is not None else default("min_p", 0.0),
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None
+            else default("repetition_penalty", 1.0),
+        )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return not self.temperature

@@ -16,6 +16,20 @@ from typing import Any, Callable, Iterable, Sequence
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
 
 
+def chunk_text(text: str) -> str:
+    """The form a chunk's text is announced, looked up and stored in: stripped of surrounding
+    whitespace. Some framework components strip chunk text before joining it into a prompt
+    (LlamaIndex's compact mode and chat engines) and others do not; a stripped text is found
+    verbatim in both, and the whitespace around it becomes fresh glue. The CLI's ``warm``
+    stores chunks in this form too, so a warm job and the integrations agree on every key."""
+    return text.strip()
+
+
+def chunk_texts(texts: Iterable[str]) -> list[str]:
+    """:func:`chunk_text` of each text, dropping the ones left empty, in order."""
+    return [kept for kept in (chunk_text(t) for t in texts if t) if kept]
+
+
 # Chunks are precomputed behind a conditioning prefix: the prompt's constant lead (system turn and
 # template text before the first chunk) followed by this invented passage. In a real prompt most
 # chunks follow another passage; computed behind the lead alone, every chunk is computed as if it

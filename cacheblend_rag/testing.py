@@ -96,4 +96,5 @@ def tiny_engine(
     model = tiny_model(arch, seed=seed, dtype=dtype, vocab_size=len(tokenizer), **overrides).to(device)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return CacheBlendEngine(model, tokenizer, config=config, model_name=f"tiny-{arch}")
+    # Test prompts are a few dozen tokens: they must blend, not fall back to full prefill.
+    return CacheBlendEngine(model, tokenizer, config=config, model_name=f"tiny-{arch}", min_blend_tokens=0)

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "concurrency": set(),
     "models": {"errors"},
     "engine": {"config", "errors", "models"},
-    "store": {"engine", "config", "errors", "models"},
+    "store": {"engine", "config", "errors", "models", "prompting"},  # prompting: the CLI's warm
     "prompting": {"engine"},
     "testing": {"engine", "config"},
     "serving": {"engine", "store", "prompting", "config", "errors", "models", "concurrency", "testing"},

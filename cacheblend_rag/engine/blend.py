@@ -14,6 +14,7 @@ The engine is a facade over the pieces that do the work, each in its own module:
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterable, Sequence
 
@@ -36,6 +37,7 @@ from cacheblend_rag.engine.segments import (
     SegmentLike,
     StoredSegment,
     as_segment,
+    as_token_ids,
 )
 from cacheblend_rag.engine.selection import SelectionStrategy, build_strategy
 from cacheblend_rag.errors import (
@@ -45,7 +47,14 @@ from cacheblend_rag.errors import (
     UnsupportedArchitectureError,
 )
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
-from cacheblend_rag.models.fingerprint import model_fingerprint
+from cacheblend_rag.models.fingerprint import WeightsStamp, model_fingerprint, weights_stamp
+
+logger = logging.getLogger(__name__)
+
+# Fewer cached tokens than this and a blend is no faster than full prefill: SmolLM2-135M on a
+# 2-core CPU broke even at about 100 (benchmarks/bench_short_prompts.py, docs/quality.md "Short
+# prompts"). Full prefill is exact, so the rounding is up.
+DEFAULT_MIN_BLEND_TOKENS = 128
 
 
 class CacheBlendEngine:
@@ -64,8 +73,10 @@ class CacheBlendEngine:
         config: BlendConfig | None = None,
         adapter: DecoderAdapter | None = None,
         model_name: str | None = None,
+        min_blend_tokens: int = DEFAULT_MIN_BLEND_TOKENS,
     ) -> None:
         self.model = model.eval()
+        self.min_blend_tokens = BlendConfig(min_blend_tokens=min_blend_tokens).min_blend_tokens  # validated
         self.tokenizer = tokenizer
         self.config = config or BlendConfig()
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or model.config.model_type
@@ -84,6 +95,7 @@ class CacheBlendEngine:
         self.device = first.device
         self.dtype = first.dtype
         self._fingerprint: str | None = None
+        self._stamp: WeightsStamp | None = None
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -94,17 +106,36 @@ class CacheBlendEngine:
         config: BlendConfig | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        tokenizer: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        min_blend_tokens: int = DEFAULT_MIN_BLEND_TOKENS,
     ) -> "CacheBlendEngine":
-        """Load a model (default: the embedded SmolLM2-135M-Instruct) and wrap it."""
+        """Load a model (default: the embedded SmolLM2-135M-Instruct) and wrap it; the options are
+        :func:`cacheblend_rag.models.load_model`'s. ``min_blend_tokens``: prompts with fewer cached
+        tokens are answered by full prefill, unless a :class:`BlendConfig` says otherwise."""
         from cacheblend_rag.models.loader import load_model
 
-        loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False)
-        return cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name)
+        loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False, tokenizer=tokenizer,
+                            model_kwargs=model_kwargs)
+        return cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name,
+                   min_blend_tokens=min_blend_tokens)
 
     @property
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
+        """The model's identity (:mod:`~cacheblend_rag.models.fingerprint`): computed again whenever its
+        weights change (in place, replaced, or this engine wraps a copy), so chunk KV of other weights
+        is never reused. Checking costs well under a millisecond; recomputing hashes the weights."""
+        stamp = weights_stamp(self.model)
+        if self._fingerprint is None or stamp != self._stamp:
+            if self._fingerprint is not None:
+                logger.warning("the weights of %s changed since chunk KV was keyed; keys change with them",
+                               self.model_name)
+            elif not stamp.tracks_changes:
+                logger.warning("the weights of %s are inference tensors, which keep no version counter: a change "
+                               "made to them in place cannot be seen, and chunk KV keyed before it would be "
+                               "reused. Load the model outside torch.inference_mode()", self.model_name)
             self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.dtype)
+            self._stamp = stamp
         return self._fingerprint
 
     @property
@@ -120,6 +151,15 @@ class CacheBlendEngine:
         if self.tokenizer is None:
             raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def check_vocabulary(self, ids: Sequence[int], what: str) -> Sequence[int]:
+        """``ids``, unless one lies outside the model's vocabulary (an error that names it)."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise BlendInputError(f"{what} holds token id {outside}, outside the model's vocabulary of {vocab} tokens "
+                                  f"(ids 0 to {vocab - 1}); tokenize with this model's tokenizer")
+        return ids
 
     def plan(self, cfg: BlendConfig) -> tuple[SelectionStrategy, int]:
         """The strategy ``cfg`` names, built with its settings, and the check layer it chooses at
@@ -148,7 +188,9 @@ class CacheBlendEngine:
     ) -> list[ChunkKV]:
         """Batched :meth:`prefill_chunk`, in the order given."""
         adapter = self._require_adapter("precompute chunk KV")
-        return precompute_chunks(adapter, chunks, prefix_ids=prefix_ids, batch_size=batch_size,
+        checked = [self.check_vocabulary(as_token_ids(c, f"chunk {i}"), f"chunk {i}") for i, c in enumerate(chunks)]
+        prefix = self.check_vocabulary(as_token_ids(prefix_ids, "prefix_ids"), "prefix_ids")
+        return precompute_chunks(adapter, checked, prefix_ids=prefix, batch_size=batch_size,
                                  device=self.device, fingerprint=self.fingerprint)
 
     # ------------------------------------------------------------------ blend
@@ -168,6 +210,11 @@ class CacheBlendEngine:
             return self.full_prefill([t for s in segs for t in s.token_ids], _start=started)
         if self.adapter is None:
             return self._fall_back(segs, started, self.unsupported_reason)
+        cached = sum(len(s.token_ids) for s in segs if not isinstance(s, FreshSegment))
+        least = self.min_blend_tokens if cfg.min_blend_tokens is None else cfg.min_blend_tokens
+        if cached < least:
+            return self._fall_back(segs, started, f"{cached} cached tokens, fewer than min_blend_tokens={least}: "
+                                                  "full prefill is as fast on a prompt this short, and exact")
         if cfg.gate and not gate.passed(self, cfg):
             return self._fall_back(segs, started, "correctness gate failed for this model")
         strategy, check_layer = self.plan(cfg)
@@ -205,20 +252,23 @@ class CacheBlendEngine:
                 "append FreshSegment(token_ids) after the last cached chunk"
             )
         total = sum(len(s.token_ids) for s in segs)
+        for i, s in enumerate(segs):
+            self.check_vocabulary(s.token_ids, f"segment {i}")
         if total > self.context_window:
             raise BlendInputError(
                 f"the prompt has {total} tokens, more than the model's context window of "
                 f"{self.context_window}; pass fewer or shorter chunks"
             )
         adapter = self.adapter
+        fingerprint = self.fingerprint if any(isinstance(s, CachedSegment) for s in segs) else ""
         for i, s in enumerate(segs):
             if isinstance(s, StoredSegment) and store is None:
                 raise BlendInputError(f"segment {i} is a StoredSegment but no store was given; pass store=...")
             if isinstance(s, CachedSegment) and adapter is not None:
-                self._check_chunk(i, s.chunk, adapter)
+                self._check_chunk(i, s.chunk, adapter, fingerprint)
         return segs
 
-    def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter) -> None:
+    def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter, fingerprint: str) -> None:
         expected = (adapter.num_layers, adapter.num_kv_heads, len(chunk), adapter.head_dim)
         got_layers = chunk.num_layers
         shape = tuple(chunk.keys[0].shape) if got_layers else ()
@@ -228,10 +278,10 @@ class CacheBlendEngine:
                 f"the model needs {expected[0]} layers of [kv_heads={expected[1]}, tokens={expected[2]}, "
                 f"head_dim={expected[3]}]. It was computed by another model; recompute it with this engine"
             )
-        if chunk.model_fingerprint is not None and chunk.model_fingerprint != self.fingerprint:
+        if chunk.model_fingerprint is not None and chunk.model_fingerprint != fingerprint:
             raise ChunkMismatchError(
                 f"cached chunk {index} was computed by another model (fingerprint "
-                f"{chunk.model_fingerprint[:12]}, this model is {self.fingerprint[:12]}); recompute it with this engine"
+                f"{chunk.model_fingerprint[:12]}, this model is {fingerprint[:12]}); recompute it with this engine"
             )
 
     # ----------------------------------------------------------- full prefill
@@ -239,7 +289,7 @@ class CacheBlendEngine:
     def full_prefill(self, token_ids: Sequence[int], *, _start: float | None = None) -> BlendResult:
         """The baseline: the model's own forward over every token."""
         t0 = _start if _start is not None else time.perf_counter()
-        input_ids = [int(t) for t in token_ids]
+        input_ids = list(self.check_vocabulary(as_token_ids(token_ids), "the prompt"))
         if not input_ids:
             raise BlendInputError("the prompt is empty; pass at least one token")
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)

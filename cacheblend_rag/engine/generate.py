@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -72,28 +72,45 @@ class GenerationResult:
 
 
 class TokenSampler:
-    """Greedy, or temperature with top-k/top-p, seeded for reproducibility."""
+    """The next token from logits, as ``model.generate`` would pick it: repetition penalty over the
+    prompt and the answer so far, then greedy, or temperature with top-k, top-p and min-p, seeded
+    for reproducibility. A :class:`~cacheblend_rag.engine.constraints.JsonConstraint` first removes
+    every token that would break the answer's JSON. ``cfg`` must be :meth:`GenerationConfig.resolved`."""
 
-    def __init__(self, cfg: GenerationConfig, device: torch.device) -> None:
+    def __init__(self, cfg: GenerationConfig, prompt_ids: Sequence[int] = (), constraint: Any = None) -> None:
         self.cfg = cfg
+        self.constraint = constraint
+        self.seen = set(prompt_ids) if cfg.repetition_penalty != 1.0 else set()
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(cfg.seed if cfg.seed is not None else int(time.time_ns() % (2**63)))
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.cfg.greedy:
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int] = ()) -> int:
+        cfg = self.cfg
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, generated)
+        if cfg.repetition_penalty != 1.0:
+            self.seen.update(generated[-1:])
+            if self.seen:
+                logits = logits.clone()
+                index = torch.tensor(sorted(self.seen), device=logits.device)
+                picked = logits[index]
+                logits[index] = torch.where(picked > 0, picked / cfg.repetition_penalty, picked * cfg.repetition_penalty)
+        if cfg.greedy:
             return int(torch.argmax(logits))
-        scores = logits.float().cpu() / self.cfg.temperature
-        if self.cfg.top_k > 0:
-            kth = torch.topk(scores, min(self.cfg.top_k, scores.numel())).values[-1]
+        scores = logits.float().cpu() / cfg.temperature
+        if cfg.top_k > 0:
+            kth = torch.topk(scores, min(cfg.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.cfg.top_p < 1.0:
+        if cfg.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             cumulative = sorted_scores.softmax(-1).cumsum(-1)
-            drop = cumulative - sorted_scores.softmax(-1) >= self.cfg.top_p  # keep the token that crosses top_p
+            drop = cumulative - sorted_scores.softmax(-1) >= cfg.top_p  # keep the token that crosses top_p
             scores[order[drop]] = float("-inf")
         probs = scores.softmax(-1)
+        if cfg.min_p > 0.0:
+            probs = probs.masked_fill(probs < cfg.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
@@ -176,9 +193,16 @@ def _decode(
     if engine.tokenizer is None:
         raise BlendInputError("generation needs a tokenizer to turn tokens into text")
     start = time.perf_counter()
-    blended = engine.blend(segments, config=config, store=store)
-    sampler = TokenSampler(gen, engine.device)
+    gen = gen.resolved(getattr(engine.model, "generation_config", None))
     eos = eos_token_ids(engine)
+    constraint = None
+    if gen.json_schema is not None:
+        from cacheblend_rag.engine.constraints import JsonConstraint
+
+        constraint = JsonConstraint.from_text(engine, gen.json_schema, sorted(eos), budget=gen.max_new_tokens,
+                                              optional=not gen.json_only)
+    blended = engine.blend(segments, config=config, store=store)
+    sampler = TokenSampler(gen, blended.input_ids, constraint)
     token = sampler(blended.logits)
     ttft = time.perf_counter() - start
     cache = blended.cache
@@ -213,7 +237,7 @@ def _decode(
             pos = torch.tensor([[position]], dtype=torch.long, device=engine.device)
             out = engine.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True)
             position += 1
-            token = sampler(out.logits[0, -1])
+            token = sampler(out.logits[0, -1], tokens)
         if finish != "stop":
             text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
             if len(text) > len(emitted):

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 import torch
+
+from cacheblend_rag.errors import BlendInputError
+
+
+def as_token_ids(values: Sequence[int], what: str = "token ids") -> tuple[int, ...]:
+    """``values`` as a tuple of ints; a float, bool or anything else that is not an integer is an error
+    (``int(2.7)`` would quietly make it token 2)."""
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise BlendInputError(f"{what}[{i}] is {value!r} ({type(value).__name__}); token ids are integers, "
+                                  "e.g. from engine.tokenize(text)")
+        out.append(int(value))
+    return tuple(out)
 
 
 @dataclass
@@ -24,8 +39,8 @@ class ChunkKV:
     model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        self.token_ids = tuple(int(t) for t in self.token_ids)
-        self.prefix_ids = tuple(int(t) for t in self.prefix_ids)
+        self.token_ids = as_token_ids(self.token_ids)
+        self.prefix_ids = as_token_ids(self.prefix_ids, "prefix ids")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -55,7 +70,7 @@ class FreshSegment:
     token_ids: tuple[int, ...]
 
     def __init__(self, token_ids: Sequence[int]) -> None:
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
+        object.__setattr__(self, "token_ids", as_token_ids(token_ids))
 
 
 @dataclass(frozen=True)
@@ -77,8 +92,8 @@ class StoredSegment:
     prefix_ids: tuple[int, ...] = field(default=())
 
     def __init__(self, token_ids: Sequence[int], prefix_ids: Sequence[int] = ()) -> None:
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
-        object.__setattr__(self, "prefix_ids", tuple(int(t) for t in prefix_ids))
+        object.__setattr__(self, "token_ids", as_token_ids(token_ids))
+        object.__setattr__(self, "prefix_ids", as_token_ids(prefix_ids, "prefix ids"))
 
 
 Segment = Union[FreshSegment, CachedSegment, StoredSegment]

@@ -25,7 +25,6 @@ import torch
 
 from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
-from cacheblend_rag.models.fingerprint import set_weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -168,28 +167,37 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     require_adapter: bool = True,
+    tokenizer: str | os.PathLike[str] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a causal LM, its tokenizer and its architecture adapter.
 
     ``name_or_path``: ``None`` for the embedded SmolLM2-135M-Instruct, a local HF
-    model folder, a local ``.gguf`` file, or a hub id (needs a network).
-    ``require_adapter=False`` returns ``adapter=None`` for unsupported architectures
-    instead of raising (the engine then serves them with full prefill).
+    model folder, a local ``.gguf`` file, or a hub id (needs a network, unless the model is in
+    the Hugging Face cache; when the hub cannot be reached, this fails within seconds, naming
+    what it tried). ``tokenizer``: load the tokenizer from another folder or id.
+    ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (``trust_remote_code``,
+    ``revision``, ``attn_implementation``, ...). ``require_adapter=False`` returns
+    ``adapter=None`` for unsupported architectures instead of raising (the engine then serves
+    them with full prefill).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    weights_digest: str | None = None
+    model_kwargs = dict(model_kwargs or {})
+    for taken in ("dtype", "torch_dtype", "device_map"):
+        if taken in model_kwargs:
+            raise ModelLoadError(f"model_kwargs[{taken!r}] is set by this package; pass dtype= or device= instead")
     if name_or_path is None:
-        folder, weights_digest = converted_gguf_folder(default_gguf_path())
+        folder, _ = converted_gguf_folder(default_gguf_path())
         name, source = DEFAULT_MODEL_NAME, str(folder)
     else:
         path = Path(name_or_path).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
-            folder, weights_digest = converted_gguf_folder(path.resolve())
+            folder, _ = converted_gguf_folder(path.resolve())
             name, source = path.stem, str(folder)
         elif path.is_dir():
             folder, name, source = path, path.name, str(path)
@@ -199,9 +207,11 @@ def load_model(
             folder, name, source = None, str(name_or_path), str(name_or_path)
 
     target = str(folder) if folder is not None else str(name_or_path)
+    hub_options = {} if folder is not None else _hub_options(str(name_or_path))
+    tokenizer_source = str(tokenizer) if tokenizer is not None else target
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt)
+        loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **hub_options)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs)
     except (OSError, ValueError) as exc:
         if folder is None:
             raise ModelLoadError(
@@ -211,12 +221,35 @@ def load_model(
             ) from exc
         raise ModelLoadError(f"could not load model from {target}: {exc}") from exc
     model.to(dev).eval()
-    if weights_digest is not None:
-        set_weights_digest(model, weights_digest)
     try:
         adapter: DecoderAdapter | None = get_adapter(model)
     except UnsupportedArchitectureError:
         if require_adapter:
             raise
         adapter = None
-    return LoadedModel(model=model, tokenizer=tokenizer, adapter=adapter, name=name, source=source)
+    return LoadedModel(model=model, tokenizer=loaded_tokenizer, adapter=adapter, name=name, source=source)
+
+
+def _hub_options(repo_id: str, timeout: float = 3.0) -> dict[str, Any]:
+    """How to load a hub id: from the Hugging Face cache alone if it is there, else from the hub,
+    which must answer within ``timeout`` seconds (transformers would retry for most of a minute)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return {"local_files_only": True}
+    where = f"not a local folder or .gguf file, and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"could not load model {repo_id!r}: it is {where}, and HF_HUB_OFFLINE is set. Pass a "
+                             "local path, or leave the model unset for the embedded SmolLM2-135M-Instruct")
+    endpoint = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError as exc:
+        raise ModelLoadError(f"could not load model {repo_id!r}: it is {where}, and the hub at {constants.ENDPOINT} "
+                             f"cannot be reached ({exc or type(exc).__name__}, after {timeout:g} s). Pass a local path, "
+                             "or leave the model unset for the embedded SmolLM2-135M-Instruct") from None
+    return {}

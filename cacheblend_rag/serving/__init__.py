@@ -8,13 +8,14 @@ and one path from a rendered prompt to a blended answer. The integrations are fr
 * :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
 """
 
-from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_text, chunk_texts
+from cacheblend_rag.prompting import chunk_text, chunk_texts
+from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.registry import EngineSlot, chunk_cache_for, shared_engine, slot_for
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
-from cacheblend_rag.serving.settings import BLEND_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving.settings import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
 
 __all__ = [
-    "AnnouncedChunks", "BLEND_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
+    "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
     "Served", "ServedStream", "chunk_cache_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",
 ]

@@ -1,4 +1,4 @@
-"""Chunk texts as the serving layer sees them: one normal form, and the texts prompts will contain."""
+"""The chunk texts prompts will contain, in their one normal form (:func:`cacheblend_rag.prompting.chunk_text`)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import Iterable
 
-
-def chunk_text(text: str) -> str:
-    """The form a chunk's text is announced, looked up and stored in: stripped of surrounding
-    whitespace. Some framework components strip chunk text before joining it into a prompt
-    (LlamaIndex's compact mode and chat engines) and others do not; a stripped text is found
-    verbatim in both, and the whitespace around it becomes fresh glue. The CLI's ``warm``
-    stores chunks in this form too, so a warm job and the integrations agree on every key."""
-    return text.strip()
-
-
-def chunk_texts(texts: Iterable[str]) -> list[str]:
-    """:func:`chunk_text` of each text, dropping the ones left empty, in order."""
-    return [kept for kept in (chunk_text(t) for t in texts if t) if kept]
+from cacheblend_rag.prompting import chunk_texts
 
 
 class AnnouncedChunks:

@@ -38,7 +38,7 @@ class EngineSlot:
 
 
 _registry_lock = threading.Lock()
-_engines: dict[tuple[str, str | None, str | None], CacheBlendEngine] = {}
+_engines: dict[tuple[Any, ...], CacheBlendEngine] = {}
 _slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.WeakKeyDictionary()
 
 
@@ -46,7 +46,8 @@ def is_tiny_model_name(model: str) -> bool:
     return model.startswith(TINY_MODEL_PREFIX) and not os.path.exists(model)
 
 
-def _load(model: str, device: str | None, dtype: str | None) -> CacheBlendEngine:
+def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | None,
+          model_kwargs: dict[str, Any]) -> CacheBlendEngine:
     if is_tiny_model_name(model):
         from cacheblend_rag.testing import tiny_engine
 
@@ -64,18 +65,23 @@ def _load(model: str, device: str | None, dtype: str | None) -> CacheBlendEngine
     name_or_path = None if model == DEFAULT_MODEL_NAME else model
     # Loaded for any settings: an architecture without an adapter is refused (or served by full
     # prefill) by each integration object according to its own fallback_to_full_prefill.
-    return CacheBlendEngine.from_pretrained(name_or_path, device=device, dtype=dtype,
-                                            config=BlendConfig(fallback_to_full_prefill=True))
+    return CacheBlendEngine.from_pretrained(name_or_path, device=device, dtype=dtype, tokenizer=tokenizer,
+                                            model_kwargs=model_kwargs, config=BlendConfig(fallback_to_full_prefill=True))
 
 
-def shared_engine(model: str, *, device: str | None = None, dtype: str | None = None) -> CacheBlendEngine:
+def shared_engine(
+    model: str, *, device: str | None = None, dtype: str | None = None, tokenizer: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+) -> CacheBlendEngine:
     """The process-wide engine for ``model`` on ``device`` in ``dtype`` (loaded on first use).
-    ``model`` is the embedded model's name, a folder, a ``.gguf`` file, a hub id or ``tiny-<arch>``."""
-    key = (model, device, dtype)
+    ``model`` is the embedded model's name, a folder, a ``.gguf`` file, a hub id or ``tiny-<arch>``;
+    ``tokenizer`` and ``model_kwargs`` as for :func:`cacheblend_rag.models.load_model`."""
+    options = dict(model_kwargs or {})
+    key = (model, device, dtype, tokenizer, repr(sorted(options.items())))
     with _registry_lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = _load(model, device, dtype)
+            engine = _engines[key] = _load(model, device, dtype, tokenizer, options)
         return engine
 
 

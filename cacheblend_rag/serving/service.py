@@ -8,6 +8,7 @@ cache, everything else fresh), blends and decodes, holding the engine's lock thr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -19,6 +20,8 @@ from cacheblend_rag.prompting import split_prompt, to_segments_in_context
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
 from cacheblend_rag.serving.registry import slot_for
 from cacheblend_rag.store import ChunkCache, WarmSummary
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,18 @@ class Served:
 # Text deltas of one request, produced under the engine's lock; ``result()`` after the last one.
 ServedStream = TextStream[Served]
 
+# A prompt this long that reuses nothing is worth a warning: it is a RAG prompt by its size
+# (shorter ones are often a chat engine's own calls, or no RAG at all).
+LONG_PROMPT_TOKENS = 200
+
+
+def _escaped(text: str) -> str:
+    return text.encode("unicode_escape").decode("ascii", "replace").replace("'", "\\'")
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
 
 class BlendService:
     """One engine, its chunk cache and the chunk texts announced to one integration object."""
@@ -64,6 +79,7 @@ class BlendService:
         self.chunk_cache = chunk_cache
         self.announced = announced
         self.lock = slot_for(engine).lock
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------- chunks
     def announce(self, texts: Iterable[str]) -> list[str]:
@@ -93,8 +109,37 @@ class BlendService:
             # Chunks of the latest announcement that this prompt lacks verbatim (changed by a template,
             # truncated, or, in refine mode, simply handled by another call).
             chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
-            reason=None if split.found else "no announced chunk text appears verbatim in the prompt",
+            reason=None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments)),
         )
+
+    def _no_reuse(self, prompt: str, tokens: int) -> str:
+        """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
+        nothing, or the prompt holds the announced chunks changed, escaped or cut."""
+        latest = self.announced.latest()
+        if not self.announced.known():
+            cause, quiet = "none-announced", tokens < LONG_PROMPT_TOKENS  # a short prompt may well be no RAG prompt
+            reason = ("no chunk text was announced to this model, so nothing can be reused: add "
+                      "CacheBlendNodePostprocessor(llm=llm) to the query engine (LlamaIndex) or wrap the retriever "
+                      "in CacheBlendRetriever (LangChain)")
+        elif any(_escaped(text) in prompt for text in latest if _escaped(text) != text):
+            cause, quiet = "escaped", False
+            reason = ("the prompt holds the announced chunks escaped, as a Python list's repr (LlamaIndex's "
+                      "response_mode='simple_summarize' renders them so), and escaped text has other KV: use "
+                      "response_mode='compact' (the default), 'refine' or 'tree_summarize'")
+        elif any(_normalized(text) in _normalized(prompt) for text in latest):
+            cause, quiet = "changed", False
+            reason = ("the prompt holds the announced chunks with their text changed (whitespace, case, or a "
+                      "template rewriting them), so their KV is computed fresh")
+        elif any(len(text) > 80 and text[: len(text) // 2] in prompt for text in latest):
+            cause, quiet = "cut", False
+            reason = ("the prompt holds only part of an announced chunk (compact repacking split it to fit the "
+                      "context window, or it was truncated); the part is computed fresh")
+        else:
+            return "no announced chunk text appears verbatim in the prompt"
+        if not quiet and cause not in self._warned:
+            self._warned.add(cause)
+            logger.warning("chunk KV reuse dropped to zero: %s", reason)
+        return reason
 
     # ------------------------------------------------------------- answers
     def stream(

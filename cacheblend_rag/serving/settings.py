@@ -14,11 +14,11 @@ import difflib
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Dict, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
@@ -85,6 +85,13 @@ class CacheBlendSettings(BaseModel):
     )
     device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
+    tokenizer_name: Optional[str] = Field(
+        default=None, description="Load the tokenizer from this folder or hub id instead of the model's."
+    )
+    model_kwargs: Dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to AutoModelForCausalLM.from_pretrained: trust_remote_code, revision, attn_implementation...",
+    )
     condition_chunks: bool = Field(
         default=True,
         description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
@@ -117,12 +124,33 @@ class CacheBlendSettings(BaseModel):
         default=_DEFAULTS.profile_tokens,
         description="The question's last tokens query_profiled's profiling pass runs; None: the whole question.",
     )
+    min_blend_tokens: Optional[int] = Field(
+        default=_DEFAULTS.min_blend_tokens,
+        description="Prompts with fewer cached tokens are answered by full prefill (as fast there, and exact); None: "
+        "the engine's (128, measured on SmolLM2), 0: always blend.",
+    )
     gate: bool = Field(default=_DEFAULTS.gate, description="Check once per model that ratio 1.0 equals full prefill.")
     gate_tolerance: Optional[float] = Field(default=_DEFAULTS.gate_tolerance, description="Gate tolerance override.")
     fallback_to_full_prefill: bool = Field(
         default=_DEFAULTS.fallback_to_full_prefill,
         description="Serve with full prefill when the architecture is unsupported or the gate fails.",
     )
+
+    # --- sampling (the answer's length is each framework's own field: max_new_tokens, max_tokens)
+    temperature: Optional[float] = Field(
+        default=None, description="0 is greedy; None takes the model's generation config (greedy unless it samples)."
+    )
+    top_p: Optional[float] = Field(default=None, description="Nucleus sampling mass in (0, 1]; None: the model's.")
+    top_k: Optional[int] = Field(default=None, description="Top-k sampling, 0 off; None: the model's.")
+    min_p: Optional[float] = Field(default=None, description="Min-p sampling, 0 off; None: the model's.")
+    repetition_penalty: Optional[float] = Field(
+        default=None, description="Penalty on tokens already in the prompt or answer (1.0 none); None: the model's."
+    )
+    seed: Optional[int] = Field(default=None, description="Sampling seed, for reproducible sampled answers.")
+
+    # The Hugging Face integrations' spellings a user brings (HuggingFaceLLM, ChatHuggingFace): accepted,
+    # and turned into these fields (see _hugging_face_spellings).
+    _max_tokens_field: ClassVar[str] = "max_new_tokens"
 
     _service: BlendService = PrivateAttr()
 
@@ -132,7 +160,8 @@ class CacheBlendSettings(BaseModel):
     def _known_arguments_only(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
-        values = {k: v for k, v in values.items() if k not in cls._ignored_init_args}
+        values = _hugging_face_spellings(cls.__name__, {k: v for k, v in values.items()
+                                                        if k not in cls._ignored_init_args}, cls._max_tokens_field)
         allowed = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         unknown = sorted(set(values) - allowed)
         if unknown:
@@ -177,6 +206,7 @@ class CacheBlendSettings(BaseModel):
     def _validate_then_open(self) -> "CacheBlendSettings":
         # ConfigError is a ValueError, so pydantic reports it with the field, value and allowed range.
         build_strategy(self.blend_config)
+        self.generation_config_with(1, None, {})  # the sampling fields, checked by GenerationConfig
         self._validate_settings()
         # Only now, with every setting checked, is the model loaded (seconds) and the store opened.
         self._service = self._open_service()
@@ -188,7 +218,8 @@ class CacheBlendSettings(BaseModel):
 
     def _open_service(self) -> BlendService:
         if self.engine is None:
-            self.engine = shared_engine(self.model, device=self.device, dtype=self.dtype)
+            self.engine = shared_engine(self.model, device=self.device, dtype=self.dtype,
+                                        tokenizer=self.tokenizer_name, model_kwargs=self.model_kwargs)
         engine = self.engine
         if engine.adapter is None and not self.fallback_to_full_prefill:
             raise UnsupportedArchitectureError(
@@ -219,4 +250,63 @@ class CacheBlendSettings(BaseModel):
         return self._service
 
 
-__all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "unknown_names_error"]
+    def generation_config_with(self, max_new_tokens: int, stop: Optional[list], overrides: dict[str, Any]
+                               ) -> GenerationConfig:
+        """The generation config of one call: these fields, then the call's ``overrides``."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values.update({k: v for k, v in overrides.items() if k in SAMPLING_FIELDS and v is not None})
+        return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()), **values)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+_GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample",
+                    "seed"}
+
+
+def _hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str) -> dict[str, Any]:
+    """``HuggingFaceLLM``/``ChatHuggingFace`` arguments as this package's fields: ``model_name`` and
+    ``model_id`` are ``model``, ``torch_dtype`` is ``dtype``, a one-device ``device_map`` is ``device``,
+    ``generate_kwargs``/``pipeline_kwargs`` are the sampling fields. What cannot be honoured is an error
+    saying what to use."""
+    for alias in ("model_name", "model_id"):
+        if alias in values:
+            name = values.pop(alias)
+            if values.get("model") not in (None, name):
+                raise ValueError(f"{owner} got model={values['model']!r} and {alias}={name!r}; pass only model=")
+            values["model"] = name
+    if "torch_dtype" in values:
+        dtype = values.pop("torch_dtype")
+        values.setdefault("dtype", str(dtype).removeprefix("torch.") if dtype is not None else None)
+    if "device_map" in values:
+        values.setdefault("device", _one_device(owner, values.pop("device_map")))
+    for option in ("generate_kwargs", "pipeline_kwargs"):
+        given = values.pop(option, None) or {}
+        unknown = sorted(set(given) - _GENERATE_KWARGS)
+        if unknown:
+            raise ValueError(f"{owner} cannot honour {option} {unknown}: it supports {sorted(_GENERATE_KWARGS)} "
+                             "(as the fields of the same names)")
+        given = dict(given)
+        if given.pop("do_sample", None) is False:
+            given.setdefault("temperature", 0.0)
+        if "max_new_tokens" in given:
+            values.setdefault(max_tokens_field, given.pop("max_new_tokens"))
+        for name, value in given.items():
+            values.setdefault(name, value)
+    return values
+
+
+def _one_device(owner: str, device_map: Any) -> Optional[str]:
+    """The one device a ``device_map`` names (``"auto"``: whatever is best here)."""
+    if device_map is None or device_map == "auto":
+        return None
+    if isinstance(device_map, dict) and len(set(device_map.values())) == 1:
+        device_map = next(iter(device_map.values()))
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return f"cuda:{device_map}"
+    if isinstance(device_map, str) and device_map not in ("balanced", "balanced_low_0", "sequential"):
+        return device_map
+    raise ValueError(f"{owner} got device_map={device_map!r}: a blend runs the whole model on one device; pass "
+                     "device='cuda:0' (or 'cpu'), or device_map='auto' for the best one here")
+
+
+__all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "SAMPLING_FIELDS", "unknown_names_error"]

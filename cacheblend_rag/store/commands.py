@@ -3,11 +3,16 @@
 ``warm`` reads chunks from files:
 
 * ``.txt`` (or any other extension): one chunk per paragraph; paragraphs are separated
-  by blank lines and stripped of surrounding whitespace;
-* ``.jsonl``: one JSON object per line; its ``text`` field is the chunk, verbatim.
+  by blank lines;
+* ``.jsonl``: one JSON object per line; its ``text`` field is the chunk.
 
-A chunk is a cache hit later only if a blend sees exactly the same text (and prefix), so
-feed ``warm`` the texts your retriever returns.
+Each chunk is stripped of surrounding whitespace, the form the integrations announce and look
+up chunks in. A chunk is a cache hit later only if a blend sees exactly the same text behind
+the same prefix, so feed ``warm`` the texts your retriever returns. By default chunks are
+computed behind the prefix the integrations' defaults look them up behind
+(``condition_chunks=True``: the model's chat-template lead and a stand-in passage), so a warm
+job serves ``CacheBlendLLM`` and ``ChatCacheBlend`` as they come; ``--no-condition`` computes each
+chunk alone (for ``condition_chunks=False``), ``--prefix TEXT`` behind a prefix of your own.
 
 A large corpus is warmed by N workers at once, each given the same files and its own
 ``--shard I/N`` (I = 0..N-1). Chunks are split by their key, so the split is the same in
@@ -21,9 +26,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.prompting import chunk_texts, default_conditioning_prefix
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES
 from cacheblend_rag.store.factory import open_store
@@ -63,7 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
     warm.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cuda if available, else cpu)")
     warm.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (default: the loader's choice)")
-    warm.add_argument("--prefix", default="", help="conditioning prefix text the chunks are computed behind")
+    behind = warm.add_mutually_exclusive_group()
+    behind.add_argument("--for", dest="for_integration", choices=["llamaindex", "langchain"], default=None,
+                        help="compute chunks behind what that integration's defaults look them up behind "
+                             "(both the same: the default)")
+    behind.add_argument("--no-condition", action="store_true",
+                        help="compute each chunk alone (for integrations set to condition_chunks=False)")
+    behind.add_argument("--prefix", default=None, help="compute chunks behind this text instead")
     warm.add_argument("--storage-dtype", default="auto", choices=list(STORAGE_DTYPES),
                       help="how values are stored: auto (16 bits), float16, bfloat16, float32, or quantized int8 "
                            "(about 0.51 of the 16-bit bytes) or int4 (about 0.28); readers must use the same")
@@ -109,8 +121,7 @@ def read_chunks(path: Path) -> Iterator[str]:
         raise ConfigError(f"{path} is not a file; pass .txt or .jsonl files of chunks")
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() != ".jsonl":
-        paragraphs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
-        yield from (p for p in paragraphs if p)
+        yield from chunk_texts(text.replace("\r\n", "\n").split("\n\n"))
         return
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -121,7 +132,7 @@ def read_chunks(path: Path) -> Iterator[str]:
             raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); write one JSON object per line") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ConfigError(f'{path}:{number} has no string "text" field; write {{"text": "..."}} per line')
-        yield record["text"]
+        yield from chunk_texts([record["text"]])
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -146,13 +157,19 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     texts = [chunk for path in args.files for chunk in read_chunks(path)]
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    prefix = engine.tokenize(args.prefix) if args.prefix else ()
+    if args.no_condition:
+        prefix: Sequence[int] = ()
+    elif args.prefix is not None:
+        prefix = engine.tokenize(args.prefix)
+    else:
+        prefix = default_conditioning_prefix(engine.tokenizer)
     corpus_size = len(texts)
     with ChunkCache(engine, _open(args, create=True), prefix_ids=prefix, batch_size=args.batch_size,
                     storage_dtype=args.storage_dtype, storage_group=args.storage_group) as cache:
         if args.shard is not None:
             index, count = args.shard
-            texts = [t for t in texts if shard_of(cache.key_for(engine.tokenize(t)), count) == index]
+            fingerprint = engine.fingerprint
+            texts = [t for t in texts if shard_of(cache.key_for(engine.tokenize(t), fingerprint=fingerprint), count) == index]
         summary = cache.warm(texts, show_progress=not args.no_progress)
         stats = cache.stats()
         cache.store.close()

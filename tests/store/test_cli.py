@@ -24,7 +24,7 @@ def test_read_chunks_from_txt_and_jsonl(tmp_path):
     assert list(read_chunks(txt)) == ["First paragraph\nstill first.", "Second one."]
     jsonl = tmp_path / "b.jsonl"
     jsonl.write_text(json.dumps({"text": " verbatim \n"}) + "\n\n" + json.dumps({"text": "two", "id": 2}) + "\n")
-    assert list(read_chunks(jsonl)) == [" verbatim \n", "two"]
+    assert list(read_chunks(jsonl)) == ["verbatim", "two"]  # the normal form every integration looks up
 
 
 @pytest.mark.parametrize("line,message", [("{not json", "not valid JSON"), ('{"title": "x"}', "text")])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 
 from cacheblend_rag.errors import BlendInputError
+from cacheblend_rag.serving.tools import ARGUMENTS, NAME
 
 
 def _role(message: BaseMessage) -> str:
@@ -37,6 +39,8 @@ def _text(message: BaseMessage, index: int) -> str:
             parts.append(str(block.get("text", "")))
         elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking"):
             continue  # earlier model reasoning is not part of the prompt
+        elif isinstance(block, dict) and block.get("type") in ("tool_call", "tool_use", "function_call"):
+            continue  # an AI message's calls are written from its tool_calls
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise BlendInputError(
@@ -47,8 +51,16 @@ def _text(message: BaseMessage, index: int) -> str:
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` as chat templates expect. Message names and tool calls are dropped."""
-    return [{"role": _role(m), "content": _text(m, i)} for i, m in enumerate(messages)]
+    """``[{"role", "content"}]`` as chat templates expect. An AI message's tool calls are written as the
+    JSON the model answers a call with (``cacheblend_rag.serving.tools``); message names are dropped."""
+    out = []
+    for i, m in enumerate(messages):
+        content = _text(m, i)
+        if isinstance(m, AIMessage) and m.tool_calls:
+            calls = "\n".join(json.dumps({NAME: c["name"], ARGUMENTS: c["args"]}) for c in m.tool_calls)
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": _role(m), "content": content})
+    return out
 
 
 def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> str:

@@ -16,31 +16,47 @@ works as an ordinary local chat model.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, ClassVar, Iterable, Iterator
+from operator import itemgetter
+from typing import Any, AsyncIterator, Callable, ClassVar, Iterable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, SystemMessage, ToolCallChunk
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from pydantic import BaseModel
 
 from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.serving import BLEND_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving.tools import (
+    chosen_tools,
+    constrained,
+    read_tool_call,
+    tool_functions,
+    tools_instruction,
+)
 from cacheblend_rag.store import WarmSummary
 from langchain_cacheblend._messages import render_prompt
 
 logger = logging.getLogger(__name__)
 
-_GENERATION_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model"})
+_GENERATION_OPTIONS = ("max_tokens", *SAMPLING_FIELDS)
+_CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model", "tools", "tool_choice",
+                           "parallel_tool_calls", "response_format"})
 
 
 @dataclass
@@ -48,6 +64,8 @@ class _CallSettings:
     generation: GenerationConfig
     blend: BlendConfig
     timeout: float | None
+    tools: list[dict[str, Any]]  # the functions a call may use ([]: none)
+    tool_required: bool
 
 
 class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
@@ -74,7 +92,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             passage (default ``True``; docs/quality.md).
 
     Key init args (completion):
-        max_tokens, temperature (0 is greedy), top_p, top_k, seed, stop, timeout.
+        max_tokens, temperature (0 is greedy; unset: the model's generation config), top_p, top_k,
+        min_p, repetition_penalty, seed, stop, timeout.
 
     Instantiate:
         .. code-block:: python
@@ -90,8 +109,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             msg = llm.invoke("What is the capital of France?")
             msg.response_metadata["ttft_s"], msg.response_metadata["reused_tokens"]
 
-    Every call (also per call through ``bind``) accepts ``max_tokens``, ``temperature``,
-    ``top_p``, ``top_k``, ``seed``, ``timeout`` and the blending options above.
+    Every call (also per call through ``bind``) accepts ``max_tokens``, the sampling options,
+    ``timeout`` and the blending options above.
     ``response_metadata`` carries the blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
     ``reused_tokens``, ``recomputed_tokens``, ``fresh_tokens``, ``cache_hits``,
     ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
@@ -105,11 +124,9 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
     # Standard parameters of hosted models: accepted, and they mean nothing for a local model.
     _ignored_init_args: ClassVar[frozenset[str]] = frozenset({"api_key", "base_url", "max_retries"})
 
+    _max_tokens_field: ClassVar[str] = "max_tokens"
+
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     stop: list[str] | None = None
     timeout: float | None = None
     """Seconds one call may take, checked as tokens are decoded; a longer call raises ``TimeoutError``."""
@@ -123,6 +140,18 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
 
     # ------------------------------------------------------------- LangChain glue
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_cacheblend", "chat_models"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"store_key": "CACHEBLEND_STORE_KEY"}
+
     @property
     def _llm_type(self) -> str:
         return "cacheblend-chat"
@@ -183,14 +212,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         return self.blend_config_with({k: v for k, v in options.items() if k in BLEND_FIELDS})
 
     def _generation_config(self, options: dict[str, Any], stop: list[str] | None) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=options.get("max_tokens", self.max_tokens),
-            temperature=options.get("temperature", self.temperature),
-            top_p=options.get("top_p", self.top_p),
-            top_k=options.get("top_k", self.top_k),
-            seed=options.get("seed", self.seed),
-            stop=tuple(stop if stop is not None else (self.stop or ())),
-        )
+        return self.generation_config_with(options.get("max_tokens", self.max_tokens),
+                                           stop if stop is not None else self.stop, options)
 
     def _call_settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> _CallSettings:
         # LangChain passes its own tracing keys (ls_*) and `stream` along with user options.
@@ -207,7 +230,9 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         timeout = options.get("timeout", self.timeout)
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds, or None")
-        return _CallSettings(self._generation_config(options, stop), self._blend_config(options), timeout)
+        tools, required = chosen_tools(tool_functions(options.get("tools") or []), options.get("tool_choice"))
+        generation = constrained(self._generation_config(options, stop), tools, required, options.get("response_format"))
+        return _CallSettings(generation, self._blend_config(options), timeout, tools, required)
 
     # -------------------------------------------------------------- generation
     def _stream(
@@ -220,16 +245,28 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         # Token callbacks are fired by BaseChatModel for every chunk yielded here.
         settings = self._call_settings(stop, kwargs)
         started = time.perf_counter()
+        if settings.tools:
+            messages = [SystemMessage(tools_instruction(settings.tools, settings.tool_required)), *messages]
         prompt = render_prompt(self.get_engine().tokenizer, messages)
         stream = self.service.stream(prompt, settings.generation, settings.blend, reuse=self.reuse_chunk_kv)
+        text = ""
         try:
             for delta in stream:
                 if settings.timeout is not None and time.perf_counter() - started > settings.timeout:
                     raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
-                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                text += delta
+                if not settings.tools:  # with tools bound, the answer may be a call: known only at its end
+                    yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
             served = stream.result()
         finally:
             stream.close()
+        if settings.tools:
+            call = read_tool_call(text, settings.tools)
+            if call is None:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+            else:
+                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                    ToolCallChunk(name=call.name, args=json.dumps(call.arguments), id=call.id, index=0)]))
         result = served.result
         usage = UsageMetadata(
             input_tokens=result.prompt_tokens,
@@ -266,6 +303,49 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         # stops the decode at its next token.
         async for chunk in iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs)):
             yield chunk
+
+    # ------------------------------------------------------------------ tools
+    def bind_tools(
+        self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+        tool_choice: dict | str | bool | None = None, **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools: the model may answer with a call (``tool_choice`` "auto", the default), must call one
+        ("any", "required" or a tool's name; decoding is then constrained to a valid call), or none ("none")."""
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        chosen_tools(tool_functions(formatted), tool_choice)  # a choice naming no bound tool fails here
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self, schema: dict | type | None = None, *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False, **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Answers parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema). Every method
+        constrains decoding to valid JSON: ``function_calling`` (the default) as a call of a tool of that
+        schema, ``json_schema`` as the schema itself, ``json_mode`` as the schema too when one is given
+        (the parser needs it; an API model would only be asked for an object), else any JSON object."""
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema: a pydantic class, a TypedDict or a "
+                                 "JSON schema (or use method='json_mode' for any JSON object)")
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method={method!r}; choose 'function_calling', 'json_schema' or 'json_mode'")
+        kwargs.pop("strict", None)
+        if kwargs:
+            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
+        if schema is None and method == "json_schema":
+            raise ValueError("method='json_schema' needs a schema (or use method='json_mode' for any JSON object)")
+        is_pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        response_format = convert_to_json_schema(schema) if schema is not None else {"type": "json_object"}
+        llm = self.bind(response_format=response_format,
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     async def _agenerate(
         self,

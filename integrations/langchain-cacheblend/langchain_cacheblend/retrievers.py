@@ -8,7 +8,8 @@ from typing import Any, Iterable
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever, RetrieverLike
-from pydantic import ConfigDict
+from langchain_core.vectorstores import VectorStoreRetriever
+from pydantic import ConfigDict, Field
 
 from cacheblend_rag.store import WarmSummary
 from langchain_cacheblend.chat_models import ChatCacheBlend
@@ -40,6 +41,10 @@ class CacheBlendRetriever(BaseRetriever):
     """The chat model that will read the documents."""
     show_progress: bool = False
     """Show a progress bar when a query's documents need precomputing."""
+    k: int | None = Field(default=None, ge=1)
+    """Return at most this many documents (the wrapped retriever's first ones); ``None``: all it returns.
+    A call may pass its own ``k`` too (``invoke(query, k=3)``); a wrapped vector store retriever gets
+    it as well, so it returns enough."""
 
     def warm(self, documents: Iterable[Document | str], *, show_progress: bool = True) -> WarmSummary:
         """Precompute the KV of documents (or texts) up front, e.g. the whole corpus."""
@@ -48,14 +53,25 @@ class CacheBlendRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        k, kwargs = self._k(kwargs)
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)[:k]
         self.llm.warm(documents, show_progress=self.show_progress)
         return documents
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        k, kwargs = self._k(kwargs)
+        documents = (await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()},
+                                                  **kwargs))[:k]
         # Precomputing is model work: keep it off the event loop.
         await asyncio.to_thread(self.llm.warm, documents, show_progress=self.show_progress)
         return documents
+
+    def _k(self, kwargs: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+        """How many documents to return, and the wrapped retriever's keyword arguments (with ``k``
+        if it takes one: a vector store retriever does)."""
+        k = kwargs.pop("k", None) or self.k
+        if k is not None and isinstance(self.retriever, VectorStoreRetriever):
+            kwargs["k"] = k
+        return k, kwargs

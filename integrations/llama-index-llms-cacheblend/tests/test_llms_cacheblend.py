@@ -13,7 +13,7 @@ from llama_index.core.llms import ChatMessage
 from pydantic import ValidationError
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.errors import ConfigError, ModelLoadError
+from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.testing import tiny_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 

@@ -168,7 +168,7 @@ def test_answers_without_postprocessor_by_full_prefill(llm, embed_model):
     index.as_query_engine(llm=baseline, similarity_top_k=2).query(QUESTION)
     stats = baseline.last_stats
     assert stats["mode"] == "full_prefill" and stats["chunks_found"] == 0
-    assert "no announced chunk" in stats["fallback_reason"]
+    assert "no chunk text was announced" in stats["fallback_reason"]  # and how to fix it
 
 
 def test_reuse_off_is_plain_full_prefill(llm, embed_model):

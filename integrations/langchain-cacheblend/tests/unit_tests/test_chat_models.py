@@ -189,7 +189,7 @@ def test_bad_arguments_say_what_to_fix(engine) -> None:
         ChatCacheBlend(engine=engine, profile_layers=0)
     llm = ChatCacheBlend(engine=engine, max_tokens=4)
     with pytest.raises(ValueError, match="unknown call option"):
-        llm.invoke("Hello", tools=[])
+        llm.invoke("Hello", frobnicate=1)
     with pytest.raises(ValueError, match="cannot switch"):
         llm.invoke("Hello", model="other-model")
     with pytest.raises(BlendInputError, match="text only"):

@@ -13,8 +13,9 @@ stats in ``additional_kwargs`` (and ``raw``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -29,20 +30,31 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 from cacheblend_rag.concurrency import iterate_in_thread
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.serving import BLEND_FIELDS, CacheBlendSettings, Served
+from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
+from cacheblend_rag.serving.tools import (
+    ARGUMENTS,
+    NAME,
+    chosen_tools,
+    constrained,
+    read_tool_call,
+    tool_functions,
+    tools_instruction,
+)
 from cacheblend_rag.store import ChunkCache
 
 logger = logging.getLogger(__name__)
 
-_GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIELDS, *BLEND_FIELDS, "tools",
+                           "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format"})
 
 
-class CacheBlendLLM(CustomLLM, CacheBlendSettings):
+class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     """A local model that reuses precomputed chunk KV caches (CacheBlend) for RAG prompts.
 
     >>> llm = CacheBlendLLM()                        # embedded SmolLM2-135M-Instruct, KV in memory
@@ -54,12 +66,8 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
     same model with plain full prefill (a baseline).
     """
 
-    # --- generation defaults (each call may override them as keyword arguments)
+    # --- generation (with the sampling fields shared with LangChain; each call may override them)
     max_new_tokens: int = Field(default=256, description="Most tokens generated per answer.")
-    temperature: float = Field(default=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, description="Nucleus sampling mass, in (0, 1].")
-    top_k: int = Field(default=0, description="Top-k sampling; 0 turns it off.")
-    seed: Optional[int] = Field(default=None, description="Sampling seed, for reproducible sampled answers.")
     stop: List[str] = Field(default_factory=list, description="Strings that end the answer.")
 
     # --- LlamaIndex behaviour
@@ -103,10 +111,7 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
 
     @property
     def generation_config(self) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=self.seed, stop=tuple(self.stop),
-        )
+        return self.generation_config_with(self.max_new_tokens, self.stop, {})
 
     # ------------------------------------------------------------ properties
     @property
@@ -115,6 +120,7 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
             context_window=self.context_window or self.engine.context_window,
             num_output=self.max_new_tokens,
             is_chat_model=self._is_chat,
+            is_function_calling_model=True,
             model_name=self.engine.model_name,
         )
 
@@ -152,7 +158,7 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
         tokenizer = self.engine.tokenizer
         if self._custom_messages_to_prompt or not getattr(tokenizer, "chat_template", None):
             return self.messages_to_prompt(messages)
-        turns = [{"role": _role_name(m.role), "content": m.content or ""} for m in messages]
+        turns = [{"role": _role_name(m.role), "content": _content(m)} for m in messages]
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
@@ -163,16 +169,64 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
         return self._render_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
 
     def _call_configs(self, kwargs: Dict[str, Any]) -> tuple:
-        """The generation and blend configs of one call: the fields, overridden by its keyword arguments."""
-        overrides = {k: kwargs[k] for k in _GENERATION_KEYS if kwargs.get(k) is not None}
-        if kwargs.get("max_tokens") is not None and "max_new_tokens" not in overrides:
-            overrides["max_new_tokens"] = kwargs["max_tokens"]
-        if isinstance(overrides.get("stop"), list):
-            overrides["stop"] = tuple(overrides["stop"])
-        base = self.generation_config
-        generation = GenerationConfig(**{**{k: getattr(base, k) for k in _GENERATION_KEYS}, **overrides})
+        """The generation and blend configs of one call: the fields, overridden by its keyword arguments
+        (generation and blend settings; anything else is an error that names the closest one)."""
+        unknown = sorted(set(kwargs) - _CALL_OPTIONS)
+        if unknown:
+            raise unknown_names_error("CacheBlendLLM", unknown, set(_CALL_OPTIONS), "call option")
+        max_new_tokens = kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens
+        stop = kwargs.get("stop") if kwargs.get("stop") is not None else self.stop
+        generation = self.generation_config_with(max_new_tokens, stop, kwargs)
+        tools, required = self._tools(kwargs)
+        generation = constrained(generation, tools, required, kwargs.get("response_format"))
         blend = self.blend_config_with({k: kwargs[k] for k in BLEND_FIELDS if k in kwargs})
         return generation, blend
+
+    @staticmethod
+    def _tools(kwargs: Dict[str, Any]) -> tuple:
+        """The tools a call may use (OpenAI format, as ``_prepare_chat_with_tools`` passes them) and
+        whether it must use one."""
+        choice = kwargs.get("tool_choice") or ("required" if kwargs.get("tool_required") else None)
+        return chosen_tools(tool_functions(kwargs.get("tools") or []), choice)
+
+    # ------------------------------------------------------------------ tools
+    def _prepare_chat_with_tools(
+        self, tools: Sequence[Any], user_msg: Optional[Union[str, ChatMessage]] = None,
+        chat_history: Optional[List[ChatMessage]] = None, verbose: bool = False,
+        allow_parallel_tool_calls: bool = False, tool_required: bool = False, **kwargs: Any,
+    ) -> Dict[str, Any]:
+        """What :meth:`chat` gets for ``chat_with_tools``: the messages, the tools in OpenAI format and
+        whether a call is required (then decoding is constrained to a valid call)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage) else ChatMessage(role="user", content=user_msg))
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool(skip_length_check=True) for t in tools],
+                "tool_required": tool_required, **kwargs}
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> List[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls", [])
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected a tool call, the model answered: {response.message.content!r}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
+
+    def _with_tools(self, messages: Sequence[ChatMessage], kwargs: Dict[str, Any]) -> List[ChatMessage]:
+        tools, required = self._tools(kwargs)
+        if not tools:
+            return list(messages)
+        return [ChatMessage(role=MessageRole.SYSTEM, content=tools_instruction(tools, required)), *messages]
+
+    def _as_tool_call(self, response: ChatResponse, kwargs: Dict[str, Any]) -> ChatResponse:
+        """``response`` with its text read as a call of a bound tool, when it is one."""
+        tools, _ = self._tools(kwargs)
+        call = read_tool_call(response.message.content or "", tools) if tools else None
+        if call is None:
+            return response
+        message = ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
+            "tool_calls": [{"id": call.id, "name": call.name, "arguments": call.arguments}]})
+        return ChatResponse(message=message, delta=response.delta, additional_kwargs=response.additional_kwargs,
+                            raw=response.raw)
 
     # ------------------------------------------------------------ generation
     def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
@@ -204,7 +258,11 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
     def _finish(self, prompt: str, served: Served, *, text: str, delta: Optional[str]) -> CompletionResponse:
         stats = served.stats()
         self._last_prompt, self._last_stats = prompt, stats
-        raw = {"stats": stats, "prompt": prompt, "token_ids": list(served.result.token_ids)}
+        result = served.result
+        # "usage" as LlamaIndex's TokenCountingHandler reads it: the tokens the model really saw.
+        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                 "total_tokens": result.prompt_tokens + result.completion_tokens}
+        raw = {"stats": stats, "prompt": prompt, "token_ids": list(result.token_ids), "usage": usage}
         return CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=raw)
 
     # ------------------------------------------------------ LlamaIndex API
@@ -218,11 +276,14 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(self._generate(self._render_messages(messages), kwargs))
+        response = _as_chat(self._generate(self._render_messages(self._with_tools(messages, kwargs)), kwargs))
+        return self._as_tool_call(response, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        prompt = self._render_messages(messages)
+        prompt = self._render_messages(self._with_tools(messages, kwargs))
+        if self._tools(kwargs)[0]:  # the answer may be a call: known only at its end
+            return iter([self._as_tool_call(_as_chat(self._generate(prompt, kwargs)), kwargs)])
         return (_as_chat(r) for r in self._generate_stream(prompt, kwargs))
 
     # Async: the engine runs in a worker thread, so the event loop stays free.
@@ -239,11 +300,19 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = await asyncio.to_thread(self._generate, self._render_messages(messages), kwargs)
-        return _as_chat(response)
+        prompt = self._render_messages(self._with_tools(messages, kwargs))
+        response = await asyncio.to_thread(self._generate, prompt, kwargs)
+        return self._as_tool_call(_as_chat(response), kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        if self._tools(kwargs)[0]:
+            response = await self.achat(messages, **kwargs)
+
+            async def once() -> ChatResponseAsyncGen:
+                yield response
+
+            return once()
         prompt = self._render_messages(messages)
 
         async def gen() -> ChatResponseAsyncGen:
@@ -251,6 +320,14 @@ class CacheBlendLLM(CustomLLM, CacheBlendSettings):
                 yield _as_chat(response)
 
         return gen()
+
+
+def _content(message: ChatMessage) -> str:
+    """A message's text; an assistant's tool calls written as the JSON the model answers a call with."""
+    calls = message.additional_kwargs.get("tool_calls") or []
+    text = "\n".join(json.dumps({NAME: c["name"], ARGUMENTS: c["arguments"]}) for c in calls
+                     if isinstance(c, dict) and "name" in c)
+    return "\n".join(part for part in (message.content or "", text) if part)
 
 
 def _role_name(role: Any) -> str:
