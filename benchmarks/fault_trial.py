@@ -1,0 +1,465 @@
+"""A fault trial on the embedded model: damage a disk store of 4 chunks in every way we know of,
+then answer from it, and check that nothing broke (prints JSON, then a Markdown table).
+
+    .venv/bin/python benchmarks/fault_trial.py [--data ../shared/data/musique_dev.json] [--out trial.json]
+
+For each fault a copy of one healthy store is damaged, reopened (as a restarting replica would)
+and a prompt over its 4 chunks (MuSiQue passages when the file is there, else the demo corpus) is
+answered greedily. A fault is **survived** when the request completes, its answer and logits
+equal the healthy store's (chunks stored at 32 bits, so a recomputed chunk is bit for bit the
+stored one), the store counted what happened (corrupt, or eviction: never eviction as corruption)
+and a file outside the store directory, planted beside it, is untouched after the request and
+after ``cacheblend-rag cache clear``. Weight faults check instead that chunk KV of other weights is
+never reused. One row is expected to fail: a forged entry in a store without a key (a checksum
+tells damage from health, not a forger from the owner; that is what authenticated mode is for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment, StoredSegment
+from cacheblend_rag.cli import main as cli_main
+from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store.codec import codec_named
+from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
+KEY = b"fault-trial: a store key, 32 b.."
+CONFIG = BlendConfig(recompute_ratio=0.15, min_blend_tokens=0)
+# A chunk recomputed on a miss is computed alone, the stored one in a batch of four: the same math in
+# another order, so logits may differ in the last bits (SmolLM2's logits are in the tens).
+TOLERANCE = 1e-4
+
+
+@dataclass
+class Trial:
+    """One prepared store and what a healthy answer from it is."""
+
+    engine: CacheBlendEngine
+    chunks: list[list[int]]
+    segments: list[Any]
+    healthy: torch.Tensor
+    healthy_text: str
+    pristine: Path
+    work: Path
+    victim: Path
+
+    def key(self, index: int) -> str:
+        return _cache(self.engine, self.pristine).key_for(self.chunks[index])
+
+
+def _cache(engine: CacheBlendEngine, path: Path, **options: Any) -> ChunkCache:
+    return ChunkCache(engine, DiskKVStore(path, **{k: v for k, v in options.items() if k == "size_limit"}),
+                      storage_dtype="float32", auth_key=options.get("auth_key"))
+
+
+def _plain_set(path: Path, name: str, value: Any, tag: str) -> None:
+    """Write as another program sharing the directory would: diskcache's own Disk, any Python value."""
+    import diskcache
+
+    with diskcache.Cache(str(path)) as other_program:
+        other_program.set(name, value, tag=tag)
+
+
+def _plain_get(path: Path, name: str) -> Any:
+    import diskcache
+
+    with diskcache.Cache(str(path)) as other_program:
+        return other_program.get(name)
+
+
+def _manifest(path: Path, key: str):
+    return peek_manifest(_plain_get(path, f"m:{key}"))
+
+
+def _layer_name(path: Path, key: str, index: int) -> str:
+    return f"l:{key}:{_manifest(path, key).write_id}:{index}"
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0x10
+    return bytes(out)
+
+
+def _rows(path: Path, where: str) -> list[tuple]:
+    with sqlite3.connect(path / "cache.db") as db:
+        return db.execute(f"SELECT rowid, key, filename FROM Cache WHERE {where}").fetchall()
+
+
+def _set_filename(path: Path, rowid: int, filename: str) -> None:
+    with sqlite3.connect(path / "cache.db") as db:
+        db.execute("UPDATE Cache SET filename = ? WHERE rowid = ?", (filename, rowid))
+
+
+def _valid_layer(path: Path, key: str, index: int, fill: float) -> None:
+    """A layer of ``fill`` with a checksum recomputed to match, and a manifest that names it."""
+    manifest = _manifest(path, key)
+    h, n, d = manifest.layer_shape
+    blob = encode_layer(torch.full((h, n, d), fill), torch.full((h, n, d), fill), codec_named("float32"))
+    _plain_set(path, _layer_name(path, key, index), blob, key)
+    digests = list(manifest.layer_digests)
+    digests[index] = value_digest(blob)
+    _plain_set(path, f"m:{key}", encode_manifest(replace(manifest, layer_digests=tuple(digests))), key)
+
+
+def _nested_manifest(depth: int = 50_000) -> bytes:
+    import xxhash
+
+    from cacheblend_rag.store import format as fmt
+
+    text = ("[" * depth + "]" * depth).encode()
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(text)) + text
+    return body + xxhash.xxh3_128_digest(body)
+
+
+# --------------------------------------------------------------------------- the faults
+# Each takes the trial and the damaged store's path, damages it, and returns what the check needs:
+# "corrupt" (at least one entry must be counted corrupt), "quiet" (none may be), or "auth".
+Fault = Callable[[Trial, Path], str]
+
+
+def _value_faults() -> dict[str, Fault]:
+    def layer_bytes(t: Trial, p: Path, index: int = 2) -> tuple[str, bytes]:
+        name = _layer_name(p, t.key(1), index)
+        return name, _plain_get(p, name)
+
+    def payload_flip(t, p):
+        name, data = layer_bytes(t, p)
+        _plain_set(p, name, _flip(data, len(data) - 40), t.key(1))
+        return "corrupt"
+
+    def header_flip(t, p):
+        name, data = layer_bytes(t, p)
+        _plain_set(p, name, _flip(data, 5), t.key(1))
+        return "corrupt"
+
+    def manifest_flip(t, p):
+        data = _plain_get(p, f"m:{t.key(1)}")
+        _plain_set(p, f"m:{t.key(1)}", _flip(data, len(data) // 2), t.key(1))
+        return "corrupt"
+
+    def truncated_layer(t, p):
+        name, data = layer_bytes(t, p)
+        _plain_set(p, name, data[:100], t.key(1))
+        return "corrupt"
+
+    def truncated_manifest(t, p):
+        data = _plain_get(p, f"m:{t.key(1)}")
+        _plain_set(p, f"m:{t.key(1)}", data[: len(data) // 2], t.key(1))
+        return "corrupt"
+
+    def swapped_layers(t, p):
+        (a, first), (b, second) = layer_bytes(t, p, 1), layer_bytes(t, p, 2)
+        _plain_set(p, a, second, t.key(1))
+        _plain_set(p, b, first, t.key(1))
+        return "corrupt"
+
+    def swapped_manifests(t, p):
+        first, second = _plain_get(p, f"m:{t.key(0)}"), _plain_get(p, f"m:{t.key(1)}")
+        _plain_set(p, f"m:{t.key(0)}", second, t.key(0))
+        _plain_set(p, f"m:{t.key(1)}", first, t.key(1))
+        return "corrupt"
+
+    def foreign_bytes(t, p):
+        name, data = layer_bytes(t, p)
+        _plain_set(p, name, os.urandom(len(data)), t.key(1))
+        return "corrupt"
+
+    def pickled_manifest(t, p):
+        _plain_set(p, f"m:{t.key(1)}", {"a": ["pickled", "object"]}, t.key(1))
+        return "corrupt"
+
+    def str_manifest(t, p):
+        _plain_set(p, f"m:{t.key(1)}", "a manifest? no", t.key(1))
+        return "corrupt"
+
+    def int_layer(t, p):
+        _plain_set(p, _layer_name(p, t.key(1), 2), 12345, t.key(1))
+        return "corrupt"
+
+    def str_layer_file(t, p):
+        _plain_set(p, _layer_name(p, t.key(1), 2), "x" * 100_000, t.key(1))  # kept in a file by diskcache
+        return "corrupt"
+
+    def nested_manifest(t, p):
+        _plain_set(p, f"m:{t.key(1)}", _nested_manifest(), t.key(1))
+        return "corrupt"
+
+    def nan_layer(t, p):
+        _valid_layer(p, t.key(1), 3, math.nan)
+        return "corrupt"
+
+    def inf_layer(t, p):
+        _valid_layer(p, t.key(1), 3, math.inf)
+        return "corrupt"
+
+    def deleted_layer_row(t, p):
+        import diskcache
+
+        with diskcache.Cache(str(p)) as other_program:
+            other_program.delete(_layer_name(p, t.key(1), 2))
+        return "quiet"  # a missing layer is an eviction, not damage
+
+    return {
+        "bit flip in a layer's payload": payload_flip,
+        "bit flip in a layer's header": header_flip,
+        "bit flip in a manifest": manifest_flip,
+        "truncated layer": truncated_layer,
+        "truncated manifest": truncated_manifest,
+        "two layers of a chunk swapped": swapped_layers,
+        "manifests of two chunks swapped": swapped_manifests,
+        "random bytes as a layer": foreign_bytes,
+        "pickled object as a manifest": pickled_manifest,
+        "str as a manifest": str_manifest,
+        "int as a layer": int_layer,
+        "str in a layer's file": str_layer_file,
+        "nested JSON manifest (50,000 deep), valid checksum": nested_manifest,
+        "NaN layer, valid checksum": nan_layer,
+        "infinite layer, valid checksum": inf_layer,
+        "a layer's row deleted": deleted_layer_row,
+    }
+
+
+def _forgery_faults() -> dict[str, Fault]:
+    def forged(t, p):
+        _valid_layer(p, t.key(1), 3, 0.5)  # consistent, checksummed, and wrong
+        return "forged"
+
+    def forged_authenticated(t, p):
+        return "auth"
+
+    return {"forged layer, store without a key": forged, "forged layer, authenticated store": forged_authenticated}
+
+
+def _index_faults() -> dict[str, Fault]:
+    def outside(t, p, relative):
+        rowid, _, _ = _rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+        _set_filename(p, rowid, os.path.relpath(t.victim, p) if relative else str(t.victim))
+        return "corrupt"
+
+    def sparse(t, p):
+        _, _, filename = _rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+        os.truncate(p / filename, 6 * 2**30)
+        return "corrupt"
+
+    def index(damage):
+        def apply(t, p):
+            db = p / "cache.db"
+            if damage == "garbage":
+                db.write_bytes(os.urandom(8192))
+            elif damage == "deleted":
+                db.unlink()
+            elif damage == "pages":
+                data = bytearray(db.read_bytes())
+                data[4096:] = os.urandom(len(data) - 4096)
+                db.write_bytes(bytes(data))
+            else:
+                db.write_bytes(b"")
+            return "reopen"
+        return apply
+
+    return {
+        "index names a file outside the store (absolute)": lambda t, p: outside(t, p, False),
+        "index names a file outside the store (../)": lambda t, p: outside(t, p, True),
+        "sparse 6 GiB layer file": sparse,
+        "index overwritten with garbage": index("garbage"),
+        "index deleted": index("deleted"),
+        "index pages corrupted": index("pages"),
+        "index emptied (full disk)": index("empty"),
+    }
+
+
+# --------------------------------------------------------------------------- running
+def _answer(engine: CacheBlendEngine, segments: list[Any], cache: ChunkCache) -> tuple[torch.Tensor, str, Any]:
+    result = engine.generate(segments, config=CONFIG, store=cache, max_new_tokens=8)
+    logits = engine.blend(segments, config=CONFIG, store=cache).logits
+    return logits, result.text, result.stats
+
+
+def _run_store_fault(trial: Trial, name: str, fault: Fault) -> dict[str, Any]:
+    path = trial.work / "kv"
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(trial.pristine, path)
+    row: dict[str, Any] = {"fault": name}
+    try:
+        expect = fault(trial, path)
+        if expect == "auth":  # a store whose owner signs, and a forger who writes without the key
+            shutil.rmtree(path)
+            with _cache(trial.engine, path, auth_key=KEY) as signed:
+                signed.warm(trial.chunks)
+            _valid_layer(path, trial.key(1), 3, 0.5)
+        with _cache(trial.engine, path, auth_key=KEY if expect == "auth" else None) as cache:
+            logits, text, _ = _answer(trial.engine, trial.segments, cache)
+            cache.flush()
+            stats = cache.stats()
+        difference = float((logits - trial.healthy).abs().max())
+        row.update(answer_same=text == trial.healthy_text and difference <= TOLERANCE, max_logit_difference=difference,
+                   corrupt=stats.corrupt, evictions=stats.evictions)
+        counted = {"corrupt": stats.corrupt >= 1, "quiet": stats.corrupt == 0, "auth": stats.corrupt >= 1,
+                   "reopen": True, "forged": True}[expect]
+        cleared = cli_main(["cache", "clear", "--path", str(path)]) == 0
+        row.update(counted=counted, clear_works=cleared)
+        row["survived"] = bool(row["answer_same"] and counted and cleared)
+    except Exception as exc:  # a request that fails is what the trial looks for
+        row.update(survived=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    row["outside_file_intact"] = trial.victim.read_text() == "precious"
+    row["survived"] = row["survived"] and row["outside_file_intact"]
+    return row
+
+
+def _run_weight_faults(trial: Trial) -> list[dict[str, Any]]:
+    rows = []
+    for name in ("a copy of the model with one v_proj scaled by 1.5", "the loaded model's weights changed in place"):
+        row: dict[str, Any] = {"fault": name}
+        changed = trial.engine
+        if name.startswith("a copy"):
+            changed = CacheBlendEngine(copy.deepcopy(trial.engine.model), trial.engine.tokenizer, min_blend_tokens=0)
+        target = changed.model.model.layers[0].self_attn.v_proj.weight
+        original = target.detach().clone()
+        with torch.no_grad():
+            target.mul_(1.5)
+        try:
+            path = trial.work / "kv"  # the healthy store, of the weights before the change
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(trial.pristine, path)
+            with _cache(changed, path) as cache:
+                logits, _, stats = _answer(changed, trial.segments, cache)
+            fresh = [trial.segments[0], *changed.prefill_chunks(trial.chunks), trial.segments[-1]]
+            difference = float((logits - changed.blend(fresh, config=CONFIG).logits).abs().max())
+            row.update(answer_same=difference <= TOLERANCE, max_logit_difference=difference, reused=stats.cache_hits,
+                       survived=stats.cache_hits == 0 and difference <= TOLERANCE)
+        except Exception as exc:
+            row.update(survived=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            with torch.no_grad():
+                target.copy_(original)
+        row["outside_file_intact"] = trial.victim.read_text() == "precious"
+        rows.append(row)
+    return rows
+
+
+def _eviction_faults(trial: Trial) -> list[dict[str, Any]]:
+    """A size limit smaller than the working set, with and without a pickled row at the oldest position."""
+    rows = []
+    for name, pickled in (("size limit below the working set", False),
+                          ("size limit, a pickled row at the oldest position", True)):
+        path = trial.work / "small"
+        shutil.rmtree(path, ignore_errors=True)
+        row: dict[str, Any] = {"fault": name}
+        try:
+            if pickled:
+                _plain_set(path, "m:" + "ab" * 32, {"a": "pickle"}, "ab" * 32)
+            with _cache(trial.engine, trial.work / f"probe{int(pickled)}") as probe:
+                empty = probe.store.volume()  # SQLite's own pages
+                per_chunk = probe.warm(trial.chunks[:1]).bytes_written
+            limit = empty + int(1.5 * per_chunk)
+            with _cache(trial.engine, path, size_limit=limit) as cache:
+                same = True
+                for request in range(8):
+                    chunks = [trial.chunks[request % 4], trial.chunks[(request + 1) % 4]]
+                    segments = [trial.segments[0], *map(StoredSegment, chunks), trial.segments[-1]]
+                    result = trial.engine.blend(segments, config=CONFIG, store=cache)
+                    fresh = [trial.segments[0], *trial.engine.prefill_chunks(chunks), trial.segments[-1]]
+                    same &= bool(torch.allclose(result.logits, trial.engine.blend(fresh, config=CONFIG).logits,
+                                                atol=TOLERANCE, rtol=0))
+                    cache.flush()
+                stats = cache.stats()
+                bounded = cache.store.volume() <= limit + 2 * per_chunk
+            # The pickled row is a foreign value: counted corrupt once and removed; nothing else may be.
+            row.update(answer_same=same, corrupt=stats.corrupt, evictions=stats.evictions, store_bounded=bounded,
+                       survived=same and stats.corrupt == int(pickled) and stats.evictions > 0 and bounded)
+        except Exception as exc:
+            row.update(survived=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        row["outside_file_intact"] = trial.victim.read_text() == "precious"
+        rows.append(row)
+    return rows
+
+
+def _passages(data: Path, engine: CacheBlendEngine) -> list[list[int]]:
+    if data.exists():
+        texts = [f"{c['title']}\n{c['text']}\n" for c in json.loads(data.read_text())[0]["ctxs"][:4]]
+    else:
+        from cacheblend_rag.data import load_demo_corpus
+
+        texts = [f"{doc.title}\n{doc.text}\n" for doc in load_demo_corpus()[:4]]
+    return [engine.tokenize(t)[:120] for t in texts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
+    root = Path(tempfile.mkdtemp(prefix="fault-trial-"))
+    victim = root / "outside" / "victim.txt"
+    victim.parent.mkdir()
+    victim.write_text("precious")
+    chunks = _passages(args.data, engine)
+    segments = [FreshSegment(engine.tokenize("<|im_start|>user\nPassages:\n")), *map(StoredSegment, chunks),
+                FreshSegment(engine.tokenize("Question: what do the passages name first?<|im_end|>\n"
+                                             "<|im_start|>assistant\n"))]
+    pristine = root / "pristine"
+    with _cache(engine, pristine) as cache:
+        cache.warm(chunks)
+        healthy, healthy_text, _ = _answer(engine, segments, cache)
+    trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim)
+
+    groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
+              "index and files": _index_faults()}
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tqdm(total=sum(map(len, groups.values())) + 4, desc="faults") as progress:
+        for group, faults in groups.items():
+            results[group] = []
+            for name, fault in faults.items():
+                results[group].append(_run_store_fault(trial, name, fault))
+                progress.update()
+        results["eviction"] = _eviction_faults(trial)
+        progress.update(2)
+        results["weights"] = _run_weight_faults(trial)
+        progress.update(2)
+    intact = victim.read_text() == "precious"
+    shutil.rmtree(root, ignore_errors=True)
+
+    summary = {group: {"tried": len(rows), "survived": sum(r["survived"] for r in rows)} for group, rows in results.items()}
+    report = {
+        "benchmark": "fault_trial", "model": engine.model_name, "chunks": len(chunks),
+        "chunk_tokens": [len(c) for c in chunks], "store": "disk, float32 (bit-exact recompute)",
+        "summary": summary,
+        "total": {"tried": sum(s["tried"] for s in summary.values()),
+                  "survived": sum(s["survived"] for s in summary.values())},
+        "outside_file_intact": intact,
+        "results": results, "seconds": round(time.perf_counter() - started, 1),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    print("\n| fault | survived | note |\n|---|---|---|")
+    for group, rows in results.items():
+        for r in rows:
+            note = r.get("error") or ", ".join(f"{k}={r[k]}" for k in ("corrupt", "evictions", "reused") if k in r)
+            print(f"| {group}: {r['fault']} | {'yes' if r['survived'] else '**no**'} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
