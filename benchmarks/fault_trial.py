@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import sqlite3
 import sys
 import tempfile
 import time
@@ -38,6 +37,17 @@ from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 from cacheblend_rag.store.codec import codec_named
 from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
+from cacheblend_rag.store.tampering import (
+    damage_index,
+    delete_as_another_program,
+    index_rows,
+    layer_name,
+    manifest_name,
+    nested_manifest,
+    read_as_another_program,
+    set_index_filename,
+    write_as_another_program,
+)
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 KEY = b"fault-trial: a store key, 32 b.."
@@ -69,27 +79,12 @@ def _cache(engine: CacheBlendEngine, path: Path, **options: Any) -> ChunkCache:
                       storage_dtype="float32", auth_key=options.get("auth_key"))
 
 
-def _plain_set(path: Path, name: str, value: Any, tag: str) -> None:
-    """Write as another program sharing the directory would: diskcache's own Disk, any Python value."""
-    import diskcache
-
-    with diskcache.Cache(str(path)) as other_program:
-        other_program.set(name, value, tag=tag)
-
-
-def _plain_get(path: Path, name: str) -> Any:
-    import diskcache
-
-    with diskcache.Cache(str(path)) as other_program:
-        return other_program.get(name)
-
-
 def _manifest(path: Path, key: str):
-    return peek_manifest(_plain_get(path, f"m:{key}"))
+    return peek_manifest(read_as_another_program(path, manifest_name(key)))
 
 
 def _layer_name(path: Path, key: str, index: int) -> str:
-    return f"l:{key}:{_manifest(path, key).write_id}:{index}"
+    return layer_name(key, _manifest(path, key).write_id, index)
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -98,35 +93,15 @@ def _flip(data: bytes, at: int) -> bytes:
     return bytes(out)
 
 
-def _rows(path: Path, where: str) -> list[tuple]:
-    with sqlite3.connect(path / "cache.db") as db:
-        return db.execute(f"SELECT rowid, key, filename FROM Cache WHERE {where}").fetchall()
-
-
-def _set_filename(path: Path, rowid: int, filename: str) -> None:
-    with sqlite3.connect(path / "cache.db") as db:
-        db.execute("UPDATE Cache SET filename = ? WHERE rowid = ?", (filename, rowid))
-
-
 def _valid_layer(path: Path, key: str, index: int, fill: float) -> None:
     """A layer of ``fill`` with a checksum recomputed to match, and a manifest that names it."""
     manifest = _manifest(path, key)
     h, n, d = manifest.layer_shape
     blob = encode_layer(torch.full((h, n, d), fill), torch.full((h, n, d), fill), codec_named("float32"))
-    _plain_set(path, _layer_name(path, key, index), blob, key)
+    write_as_another_program(path, _layer_name(path, key, index), blob, key)
     digests = list(manifest.layer_digests)
     digests[index] = value_digest(blob)
-    _plain_set(path, f"m:{key}", encode_manifest(replace(manifest, layer_digests=tuple(digests))), key)
-
-
-def _nested_manifest(depth: int = 50_000) -> bytes:
-    import xxhash
-
-    from cacheblend_rag.store import format as fmt
-
-    text = ("[" * depth + "]" * depth).encode()
-    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(text)) + text
-    return body + xxhash.xxh3_128_digest(body)
+    write_as_another_program(path, manifest_name(key), encode_manifest(replace(manifest, layer_digests=tuple(digests))), key)
 
 
 # --------------------------------------------------------------------------- the faults
@@ -138,68 +113,69 @@ Fault = Callable[[Trial, Path], str]
 def _value_faults() -> dict[str, Fault]:
     def layer_bytes(t: Trial, p: Path, index: int = 2) -> tuple[str, bytes]:
         name = _layer_name(p, t.key(1), index)
-        return name, _plain_get(p, name)
+        return name, read_as_another_program(p, name)
 
     def payload_flip(t, p):
         name, data = layer_bytes(t, p)
-        _plain_set(p, name, _flip(data, len(data) - 40), t.key(1))
+        write_as_another_program(p, name, _flip(data, len(data) - 40), t.key(1))
         return "corrupt"
 
     def header_flip(t, p):
         name, data = layer_bytes(t, p)
-        _plain_set(p, name, _flip(data, 5), t.key(1))
+        write_as_another_program(p, name, _flip(data, 5), t.key(1))
         return "corrupt"
 
     def manifest_flip(t, p):
-        data = _plain_get(p, f"m:{t.key(1)}")
-        _plain_set(p, f"m:{t.key(1)}", _flip(data, len(data) // 2), t.key(1))
+        data = read_as_another_program(p, manifest_name(t.key(1)))
+        write_as_another_program(p, manifest_name(t.key(1)), _flip(data, len(data) // 2), t.key(1))
         return "corrupt"
 
     def truncated_layer(t, p):
         name, data = layer_bytes(t, p)
-        _plain_set(p, name, data[:100], t.key(1))
+        write_as_another_program(p, name, data[:100], t.key(1))
         return "corrupt"
 
     def truncated_manifest(t, p):
-        data = _plain_get(p, f"m:{t.key(1)}")
-        _plain_set(p, f"m:{t.key(1)}", data[: len(data) // 2], t.key(1))
+        data = read_as_another_program(p, manifest_name(t.key(1)))
+        write_as_another_program(p, manifest_name(t.key(1)), data[: len(data) // 2], t.key(1))
         return "corrupt"
 
     def swapped_layers(t, p):
         (a, first), (b, second) = layer_bytes(t, p, 1), layer_bytes(t, p, 2)
-        _plain_set(p, a, second, t.key(1))
-        _plain_set(p, b, first, t.key(1))
+        write_as_another_program(p, a, second, t.key(1))
+        write_as_another_program(p, b, first, t.key(1))
         return "corrupt"
 
     def swapped_manifests(t, p):
-        first, second = _plain_get(p, f"m:{t.key(0)}"), _plain_get(p, f"m:{t.key(1)}")
-        _plain_set(p, f"m:{t.key(0)}", second, t.key(0))
-        _plain_set(p, f"m:{t.key(1)}", first, t.key(1))
+        first, second = read_as_another_program(p, manifest_name(t.key(0))), read_as_another_program(p, manifest_name(t.key(1)))
+        write_as_another_program(p, manifest_name(t.key(0)), second, t.key(0))
+        write_as_another_program(p, manifest_name(t.key(1)), first, t.key(1))
         return "corrupt"
 
     def foreign_bytes(t, p):
         name, data = layer_bytes(t, p)
-        _plain_set(p, name, os.urandom(len(data)), t.key(1))
+        write_as_another_program(p, name, os.urandom(len(data)), t.key(1))
         return "corrupt"
 
     def pickled_manifest(t, p):
-        _plain_set(p, f"m:{t.key(1)}", {"a": ["pickled", "object"]}, t.key(1))
+        write_as_another_program(p, manifest_name(t.key(1)), {"a": ["pickled", "object"]}, t.key(1))
         return "corrupt"
 
     def str_manifest(t, p):
-        _plain_set(p, f"m:{t.key(1)}", "a manifest? no", t.key(1))
+        write_as_another_program(p, manifest_name(t.key(1)), "a manifest? no", t.key(1))
         return "corrupt"
 
     def int_layer(t, p):
-        _plain_set(p, _layer_name(p, t.key(1), 2), 12345, t.key(1))
+        write_as_another_program(p, _layer_name(p, t.key(1), 2), 12345, t.key(1))
         return "corrupt"
 
     def str_layer_file(t, p):
-        _plain_set(p, _layer_name(p, t.key(1), 2), "x" * 100_000, t.key(1))  # kept in a file by diskcache
+        # diskcache keeps a text this long in a file of its own
+        write_as_another_program(p, _layer_name(p, t.key(1), 2), "x" * 100_000, t.key(1))
         return "corrupt"
 
-    def nested_manifest(t, p):
-        _plain_set(p, f"m:{t.key(1)}", _nested_manifest(), t.key(1))
+    def deeply_nested_manifest(t, p):
+        write_as_another_program(p, manifest_name(t.key(1)), nested_manifest(), t.key(1))
         return "corrupt"
 
     def nan_layer(t, p):
@@ -211,10 +187,7 @@ def _value_faults() -> dict[str, Fault]:
         return "corrupt"
 
     def deleted_layer_row(t, p):
-        import diskcache
-
-        with diskcache.Cache(str(p)) as other_program:
-            other_program.delete(_layer_name(p, t.key(1), 2))
+        delete_as_another_program(p, _layer_name(p, t.key(1), 2))
         return "quiet"  # a missing layer is an eviction, not damage
 
     return {
@@ -230,7 +203,7 @@ def _value_faults() -> dict[str, Fault]:
         "str as a manifest": str_manifest,
         "int as a layer": int_layer,
         "str in a layer's file": str_layer_file,
-        "nested JSON manifest (50,000 deep), valid checksum": nested_manifest,
+        "nested JSON manifest (50,000 deep), valid checksum": deeply_nested_manifest,
         "NaN layer, valid checksum": nan_layer,
         "infinite layer, valid checksum": inf_layer,
         "a layer's row deleted": deleted_layer_row,
@@ -250,28 +223,18 @@ def _forgery_faults() -> dict[str, Fault]:
 
 def _index_faults() -> dict[str, Fault]:
     def outside(t, p, relative):
-        rowid, _, _ = _rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
-        _set_filename(p, rowid, os.path.relpath(t.victim, p) if relative else str(t.victim))
+        rowid, _, _ = index_rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+        set_index_filename(p, rowid, os.path.relpath(t.victim, p) if relative else str(t.victim))
         return "corrupt"
 
     def sparse(t, p):
-        _, _, filename = _rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+        _, _, filename = index_rows(p, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
         os.truncate(p / filename, 6 * 2**30)
         return "corrupt"
 
-    def index(damage):
+    def index(how):
         def apply(t, p):
-            db = p / "cache.db"
-            if damage == "garbage":
-                db.write_bytes(os.urandom(8192))
-            elif damage == "deleted":
-                db.unlink()
-            elif damage == "pages":
-                data = bytearray(db.read_bytes())
-                data[4096:] = os.urandom(len(data) - 4096)
-                db.write_bytes(bytes(data))
-            else:
-                db.write_bytes(b"")
+            damage_index(p, how)
             return "reopen"
         return apply
 
@@ -281,7 +244,7 @@ def _index_faults() -> dict[str, Fault]:
         "sparse 6 GiB layer file": sparse,
         "index overwritten with garbage": index("garbage"),
         "index deleted": index("deleted"),
-        "index pages corrupted": index("pages"),
+        "index pages corrupted": index("corrupt-pages"),
         "index emptied (full disk)": index("empty"),
     }
 
@@ -365,7 +328,7 @@ def _eviction_faults(trial: Trial) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"fault": name}
         try:
             if pickled:
-                _plain_set(path, "m:" + "ab" * 32, {"a": "pickle"}, "ab" * 32)
+                write_as_another_program(path, "m:" + "ab" * 32, {"a": "pickle"}, "ab" * 32)
             with _cache(trial.engine, trial.work / f"probe{int(pickled)}") as probe:
                 empty = probe.store.volume()  # SQLite's own pages
                 per_chunk = probe.warm(trial.chunks[:1]).bytes_written

@@ -25,6 +25,7 @@ from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore, TieredK
 from cacheblend_rag.store.codec import codec_named
 from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
 from cacheblend_rag.store.inventory import inventory
+from cacheblend_rag.store.tampering import layer_name, manifest_name, nested_manifest, write_as_another_program
 
 BACKENDS = ["memory", "disk", "tiered", "redis"]
 KEY = b"0123456789abcdef0123456789abcdef"
@@ -62,11 +63,8 @@ class Backend:
                 else:
                     entry.layers[slot] = value
             elif isinstance(tier, DiskKVStore):
-                import diskcache
-
                 name, tag = name_of("disk", tier)
-                with diskcache.Cache(str(tier.path)) as plain:  # diskcache's default Disk: any type, pickles
-                    plain.set(name, value, tag=tag)
+                write_as_another_program(tier.path, name, value, tag)  # diskcache's own Disk: any type, pickles
             else:
                 import redis
 
@@ -80,13 +78,13 @@ class Backend:
 
     def manifest(self, key: str, value: Any) -> None:
         def name_of(kind, tier):
-            return {"memory": (key, "m"), "disk": (f"m:{key}", key), "redis": (tier._hash(key) if kind == "redis"
+            return {"memory": (key, "m"), "disk": (manifest_name(key), key), "redis": (tier._hash(key) if kind == "redis"
                                                                                  else None, b"m")}[kind]
         self._put(name_of, value)
 
     def layer(self, key: str, write_id: str, index: int, value: Any) -> None:
         def name_of(kind, tier):
-            return {"memory": (key, (write_id, index)), "disk": (f"l:{key}:{write_id}:{index}", key),
+            return {"memory": (key, (write_id, index)), "disk": (layer_name(key, write_id, index), key),
                     "redis": (tier._hash(key) if kind == "redis" else None, f"{write_id}:{index}".encode())}[kind]
         self._put(name_of, value)
 
@@ -135,16 +133,6 @@ def _with_layer(cache, backend, key, index, keys, values):
     backend.manifest(key, encode_manifest(replace(manifest, layer_digests=tuple(digests))))
 
 
-def _nested_manifest(depth: int = 50_000) -> bytes:
-    import xxhash
-
-    from cacheblend_rag.store import format as fmt
-
-    text = ("[" * depth + "]" * depth).encode()
-    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(text)) + text
-    return body + xxhash.xxh3_128_digest(body)
-
-
 def _answer_is_healthy_and_the_entry_is_repaired(engine, cache, stored, healthy, corrupt_expected=True):
     result = engine.blend(stored, store=cache, config=CONFIG)
     cache.flush()
@@ -177,7 +165,7 @@ def test_hostile_values_are_corrupt_never_a_failure(engine, backend, cache, chun
     elif kind == "bytes-json-manifest":
         backend.manifest(key, json.dumps({"key": key, "num_layers": 4}).encode())
     elif kind == "nested-json-manifest":
-        backend.manifest(key, _nested_manifest())
+        backend.manifest(key, nested_manifest())
     elif kind in ("nan-layer", "inf-layer"):
         poison = torch.full((h, n, d), math.nan if kind == "nan-layer" else math.inf)
         _with_layer(cache, backend, key, 1, poison, poison)

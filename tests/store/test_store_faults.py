@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sqlite3
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +13,16 @@ import torch
 from cacheblend_rag import BlendConfig, BlendInputError, CacheBlendEngine, FreshSegment, StoredSegment
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store.tampering import (
+    INDEX_DAMAGE,
+    damage_index,
+    index_rows,
+    set_index_filename,
+    write_as_another_program,
+)
 
 
 CONFIG = BlendConfig(recompute_ratio=0.25, check_layer=1)
-
-
-def _rows(path: Path, where: str) -> list[tuple]:
-    with sqlite3.connect(path / "cache.db") as db:
-        return db.execute(f"SELECT rowid, key, filename FROM Cache WHERE {where}").fetchall()
-
-
-def _set_filename(path: Path, rowid: int, filename: str) -> None:
-    with sqlite3.connect(path / "cache.db") as db:
-        db.execute("UPDATE Cache SET filename = ? WHERE rowid = ?", (filename, rowid))
 
 
 @pytest.fixture
@@ -45,16 +40,16 @@ def test_an_altered_index_never_deletes_or_reads_a_file_outside_the_store(engine
     outside = tmp_path / "outside" / "victim.txt"
     outside.parent.mkdir()
     outside.write_text("precious")
-    rowid, _, _ = _rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
-    _set_filename(warmed, rowid, str(outside) if target == "absolute" else "../outside/victim.txt")
+    rowid, _, _ = index_rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+    set_index_filename(warmed, rowid, str(outside) if target == "absolute" else "../outside/victim.txt")
     with ChunkCache(engine, DiskKVStore(warmed), storage_dtype="float32") as cache:
         stored, in_memory = stored_prompt
         result = engine.blend(stored, store=cache, config=CONFIG)  # reads that row: corrupt, deleted
         cache.flush()
         torch.testing.assert_close(result.logits, engine.blend(in_memory, config=CONFIG).logits, atol=1e-5, rtol=1e-5)
         assert cache.stats().corrupt == 1
-    rowid, _, _ = _rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
-    _set_filename(warmed, rowid, str(outside))
+    rowid, _, _ = index_rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+    set_index_filename(warmed, rowid, str(outside))
     assert cli_main(["cache", "clear", "--path", str(warmed)]) == 0
     assert outside.read_text() == "precious" and outside.parent.is_dir()
 
@@ -65,8 +60,8 @@ def test_eviction_never_deletes_a_file_outside_the_store(engine, chunk_ids, tmp_
     path = tmp_path / "kv"
     with ChunkCache(engine, DiskKVStore(path, size_limit=10**9), storage_dtype="float32") as cache:
         cache.warm(chunk_ids[:1])
-        rowid, _, _ = _rows(path, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
-        _set_filename(path, rowid, str(outside))
+        rowid, _, _ = index_rows(path, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+        set_index_filename(path, rowid, str(outside))
         cache.store.size_limit = 1  # everything must go
         cache.warm(chunk_ids[1:2])
     assert outside.read_text() == "precious"
@@ -103,7 +98,7 @@ def test_weights_changed_in_place_change_the_fingerprint_of_the_same_engine(chun
 
 # ------------------------------------------------------------------ 3. unbounded reads
 def test_a_huge_sparse_value_file_is_corrupt_not_read(engine, warmed, stored_prompt):
-    _, _, filename = _rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
+    _, _, filename = index_rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
     os.truncate(warmed / filename, 6 * 2**30)  # 6 GiB, no disk space used
     with ChunkCache(engine, DiskKVStore(warmed), storage_dtype="float32") as cache:
         stored, in_memory = stored_prompt
@@ -114,23 +109,13 @@ def test_a_huge_sparse_value_file_is_corrupt_not_read(engine, warmed, stored_pro
 
 
 # ------------------------------------------------------------------ 4. stores that must open again
-@pytest.mark.parametrize("damage", ["garbage-index", "deleted-index", "corrupt-pages", "empty-index"])
+@pytest.mark.parametrize("damage", INDEX_DAMAGE)
 def test_a_store_with_a_broken_index_opens_empty_and_clear_works(engine, warmed, stored_prompt, damage, caplog):
-    index = warmed / "cache.db"
-    if damage == "garbage-index":
-        index.write_bytes(os.urandom(8192))
-    elif damage == "deleted-index":
-        index.unlink()
-    elif damage == "corrupt-pages":
-        data = bytearray(index.read_bytes())
-        data[4096:] = os.urandom(len(data) - 4096)  # every page after the first
-        index.write_bytes(bytes(data))
-    elif damage == "empty-index":
-        index.write_bytes(b"")
+    damage_index(warmed, damage)
     with caplog.at_level(logging.WARNING):
         store = DiskKVStore(warmed)
     assert store.stats().entries == 0
-    if damage != "deleted-index":
+    if damage != "deleted":
         assert any("moved aside" in r.message for r in caplog.records)
     assert not list(warmed.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*.val"))  # orphans reclaimed
     stored, _ = stored_prompt
@@ -163,11 +148,8 @@ def test_eviction_under_a_size_limit_is_counted_as_eviction_quietly(engine, chun
 
 
 def test_a_pickled_row_at_the_oldest_position_does_not_stop_eviction(engine, chunk_ids, tmp_path):
-    import diskcache
-
     path = tmp_path / "kv"
-    with diskcache.Cache(str(path)) as other_program:
-        other_program.set("m:" + "ab" * 32, {"a": "pickle"}, tag="ab" * 32)  # the oldest row
+    write_as_another_program(path, "m:" + "ab" * 32, {"a": "pickle"}, "ab" * 32)  # the oldest row
     with ChunkCache(engine, DiskKVStore(tmp_path / "probe"), storage_dtype="float32") as probe:
         empty = probe.store.volume()
         per_chunk = probe.warm(chunk_ids[:1]).bytes_written
@@ -177,7 +159,7 @@ def test_a_pickled_row_at_the_oldest_position_does_not_stop_eviction(engine, chu
             cache.warm([ids + ids[:1]])  # a new chunk each time
             cache.warm([ids])
         assert cache.store.volume() <= limit + 2 * per_chunk
-        assert not _rows(path, "key = 'm:" + "ab" * 32 + "'")
+        assert not index_rows(path, "key = 'm:" + "ab" * 32 + "'")
 
 
 # ------------------------------------------------------------------ 7. bad input names what is wrong

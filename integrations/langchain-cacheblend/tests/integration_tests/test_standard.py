@@ -68,7 +68,10 @@ class _CacheBlendSuiteSettings:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
 
-class TestChatCacheBlendUnit(_CacheBlendSuiteSettings, ChatModelUnitTests):
+class _WithToolsAndStructuredOutput:
+    """Declared where the suite's checks can pass: LangChain's unit suite (no model output is judged)
+    and the integration suite on SmolLM2 (a model that understands a request)."""
+
     @property
     def has_tool_calling(self) -> bool:
         return True
@@ -76,6 +79,9 @@ class TestChatCacheBlendUnit(_CacheBlendSuiteSettings, ChatModelUnitTests):
     @property
     def has_structured_output(self) -> bool:
         return True
+
+
+class TestChatCacheBlendUnit(_WithToolsAndStructuredOutput, _CacheBlendSuiteSettings, ChatModelUnitTests):
 
     @pytest.mark.xfail(strict=True, reason=(
         "langchain-core's load(allowed_objects='all') admits only the classes of its own registry "
@@ -116,21 +122,13 @@ class TestChatCacheBlendIntegration(_CacheBlendSuiteSettings, ChatModelIntegrati
 
 
 @pytest.mark.slow
-class TestChatCacheBlendSmolLM2(_CacheBlendSuiteSettings, ChatModelIntegrationTests):
+class TestChatCacheBlendSmolLM2(_WithToolsAndStructuredOutput, _CacheBlendSuiteSettings, ChatModelIntegrationTests):
     """The whole integration suite on the embedded SmolLM2-135M-Instruct, tools and structured output included."""
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
         # The suite's prompts are shorter than the engine's min_blend_tokens: blend them anyway.
         return {"max_tokens": 96, "min_blend_tokens": 0}
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
 
     @property
     def supports_json_mode(self) -> bool:
