@@ -69,14 +69,15 @@ class Trial:
     pristine: Path
     work: Path
     victim: Path
+    keys: list[str]  # the chunks' store keys
 
     def key(self, index: int) -> str:
-        return _cache(self.engine, self.pristine).key_for(self.chunks[index])
+        return self.keys[index]
 
 
-def _cache(engine: CacheBlendEngine, path: Path, **options: Any) -> ChunkCache:
-    return ChunkCache(engine, DiskKVStore(path, **{k: v for k, v in options.items() if k == "size_limit"}),
-                      storage_dtype="float32", auth_key=options.get("auth_key"))
+def _cache(engine: CacheBlendEngine, path: Path, *, size_limit: int | None = None,
+           auth_key: bytes | None = None) -> ChunkCache:
+    return ChunkCache(engine, DiskKVStore(path, size_limit=size_limit), storage_dtype="float32", auth_key=auth_key)
 
 
 def _manifest(path: Path, key: str):
@@ -216,6 +217,10 @@ def _forgery_faults() -> dict[str, Fault]:
         return "forged"
 
     def forged_authenticated(t, p):
+        shutil.rmtree(p)  # a store whose owner signs, and a forger who writes without the key
+        with _cache(t.engine, p, auth_key=KEY) as signed:
+            signed.warm(t.chunks)
+        _valid_layer(p, t.key(1), 3, 0.5)
         return "auth"
 
     return {"forged layer, store without a key": forged, "forged layer, authenticated store": forged_authenticated}
@@ -263,11 +268,6 @@ def _run_store_fault(trial: Trial, name: str, fault: Fault) -> dict[str, Any]:
     row: dict[str, Any] = {"fault": name}
     try:
         expect = fault(trial, path)
-        if expect == "auth":  # a store whose owner signs, and a forger who writes without the key
-            shutil.rmtree(path)
-            with _cache(trial.engine, path, auth_key=KEY) as signed:
-                signed.warm(trial.chunks)
-            _valid_layer(path, trial.key(1), 3, 0.5)
         with _cache(trial.engine, path, auth_key=KEY if expect == "auth" else None) as cache:
             logits, text, _ = _answer(trial.engine, trial.segments, cache)
             cache.flush()
@@ -321,6 +321,10 @@ def _run_weight_faults(trial: Trial) -> list[dict[str, Any]]:
 def _eviction_faults(trial: Trial) -> list[dict[str, Any]]:
     """A size limit smaller than the working set, with and without a pickled row at the oldest position."""
     rows = []
+    with _cache(trial.engine, trial.work / "probe") as probe:
+        empty = probe.store.volume()  # SQLite's own pages
+        per_chunk = probe.warm(trial.chunks[:1]).bytes_written
+    limit = empty + int(1.5 * per_chunk)
     for name, pickled in (("size limit below the working set", False),
                           ("size limit, a pickled row at the oldest position", True)):
         path = trial.work / "small"
@@ -329,10 +333,6 @@ def _eviction_faults(trial: Trial) -> list[dict[str, Any]]:
         try:
             if pickled:
                 write_as_another_program(path, "m:" + "ab" * 32, {"a": "pickle"}, "ab" * 32)
-            with _cache(trial.engine, trial.work / f"probe{int(pickled)}") as probe:
-                empty = probe.store.volume()  # SQLite's own pages
-                per_chunk = probe.warm(trial.chunks[:1]).bytes_written
-            limit = empty + int(1.5 * per_chunk)
             with _cache(trial.engine, path, size_limit=limit) as cache:
                 same = True
                 for request in range(8):
@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     with _cache(engine, pristine) as cache:
         cache.warm(chunks)
         healthy, healthy_text, _ = _answer(engine, segments, cache)
-    trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim)
+        keys = [cache.key_for(ids) for ids in chunks]
+    trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim, keys)
 
     groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
               "index and files": _index_faults()}
