@@ -207,7 +207,7 @@ class CacheBlendEngine:
         cfg = config or self.config
         segs = self._validate_segments(segments, store)
         if all(isinstance(s, FreshSegment) for s in segs):
-            return self.full_prefill([t for s in segs for t in s.token_ids], _start=started)
+            return self._prefill([t for s in segs for t in s.token_ids], started)
         if self.adapter is None:
             return self._fall_back(segs, started, self.unsupported_reason)
         cached = sum(len(s.token_ids) for s in segs if not isinstance(s, FreshSegment))
@@ -232,7 +232,7 @@ class CacheBlendEngine:
         return result
 
     def _fall_back(self, segs: list[Segment], started: float, reason: str | None) -> BlendResult:
-        result = self.full_prefill([t for s in segs for t in s.token_ids], _start=started)
+        result = self._prefill([t for s in segs for t in s.token_ids], started)
         result.stats.fallback_reason = reason
         return result
 
@@ -286,12 +286,16 @@ class CacheBlendEngine:
 
     # ----------------------------------------------------------- full prefill
     @torch.inference_mode()
-    def full_prefill(self, token_ids: Sequence[int], *, _start: float | None = None) -> BlendResult:
+    def full_prefill(self, token_ids: Sequence[int]) -> BlendResult:
         """The baseline: the model's own forward over every token."""
-        t0 = _start if _start is not None else time.perf_counter()
+        started = time.perf_counter()
         input_ids = list(self.check_vocabulary(as_token_ids(token_ids), "the prompt"))
         if not input_ids:
             raise BlendInputError("the prompt is empty; pass at least one token")
+        return self._prefill(input_ids, started)
+
+    def _prefill(self, input_ids: list[int], started: float) -> BlendResult:
+        """Full prefill of ids already checked (a blend's segments were, as they were validated)."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -301,7 +305,7 @@ class CacheBlendEngine:
         n = len(input_ids)
         stats = BlendStats(
             mode="full_prefill", total_tokens=n, cached_tokens=0, reused_tokens=0,
-            recomputed_tokens=0, fresh_tokens=n, timings={"total": time.perf_counter() - t0},
+            recomputed_tokens=0, fresh_tokens=n, timings={"total": time.perf_counter() - started},
         )
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 

@@ -9,6 +9,7 @@ once, and one CPU or GPU gains nothing from interleaving two decodes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import weakref
@@ -103,7 +104,9 @@ def chunk_cache_for(
     authenticated with ``auth_key``; one per engine, store, prefix, codec and key."""
     slot = slot_for(engine)
     prefix = tuple(int(t) for t in prefix_ids)
-    key = (store, prefix, size_limit, storage_dtype, hash(auth_key))
+    # The store key's digest, not the key: a registry key is no place for a secret.
+    key_digest = None if auth_key is None else hashlib.sha256(auth_key.encode()).hexdigest()
+    key = (store, prefix, size_limit, storage_dtype, key_digest)
     with slot.lock:
         cache = slot.chunk_caches.get(key)
         if cache is None or cache.closed:  # a user closed it (to flush writes, say): open it anew

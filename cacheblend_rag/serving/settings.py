@@ -249,7 +249,6 @@ class CacheBlendSettings(BaseModel):
     def service(self) -> BlendService:
         return self._service
 
-
     def generation_config_with(self, max_new_tokens: int, stop: Optional[list], overrides: dict[str, Any]
                                ) -> GenerationConfig:
         """The generation config of one call: these fields, then the call's ``overrides``."""

@@ -30,8 +30,10 @@ class ToolCall:
     arguments: dict[str, Any]
     id: str
 
-    def to_json(self) -> str:
-        return json.dumps({NAME: self.name, ARGUMENTS: self.arguments})
+
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call as the model answers it, and as earlier calls are written back into a conversation."""
+    return json.dumps({NAME: name, ARGUMENTS: arguments})
 
 
 def tool_functions(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -129,8 +129,14 @@ class DiskKVStore(KVStore):
         except OSError as exc:
             raise StoreError(f"cannot open the disk KV store at {self.path}: {exc}. Check that the directory can be "
                              "created and written, or pass another path") from exc
-        self._cache = self._open_index(self.path, tag_index=True, disk_min_file_size=_MIN_FILE_SIZE)
+        self._cache = self._open_entries()
         self._counter_cache = self._open_index(self.path / "counters")
+
+    def _open_entries(self) -> diskcache.Cache:
+        """The index of the chunks' manifests and layers, reading no value larger than the model allows."""
+        cache = self._open_index(self.path, tag_index=True, disk_min_file_size=_MIN_FILE_SIZE)
+        cache.disk.max_value_bytes = self.max_value_bytes
+        return cache
 
     def _open_index(self, folder: Path, **settings: Any) -> diskcache.Cache:
         """A diskcache on ``folder``; an index that cannot be opened is moved aside and started anew."""
@@ -302,9 +308,7 @@ class DiskKVStore(KVStore):
             logger.warning("could not clear %s entry by entry (%s); starting it empty instead", self.path, exc)
             self._cache.close()
             self._move_index_aside(self.path)
-            self._cache = self._open_index(self.path, tag_index=True, disk_min_file_size=_MIN_FILE_SIZE)
-            self._cache.disk.max_value_bytes = self.max_value_bytes
-            self._reclaim_orphans(self.path)
+            self._cache = self._open_entries()  # empty, so its orphaned value files are reclaimed
         self.reset_counters()
 
     def close(self) -> None:

@@ -140,6 +140,15 @@ def redact_url(url: str) -> str:
         return "redis://***"
 
 
+def _wrong_type(error: Exception) -> CorruptEntryError:
+    """A key of another type under a chunk's name (another program's string or list) as a corrupt
+    entry of that chunk; any other error is raised as it is."""
+    if isinstance(error, redis.exceptions.ResponseError) and "WRONGTYPE" in str(error):
+        return CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash "
+                                 "(another program wrote it)")
+    raise error
+
+
 def _layer_field(write_id: str, layer: int) -> bytes:
     return f"{write_id}:{layer}".encode()
 
@@ -400,17 +409,12 @@ class RedisKVStore(KVStore):
 
     @staticmethod
     def _answers(replies: list[Any]) -> list[Any]:
-        """Pipelined replies, with a key of the wrong type (another program's string or list under a
-        chunk's name) as a :class:`CorruptEntryError` for that chunk alone; any other error raises."""
+        """Pipelined replies, with a key of the wrong type as a :class:`CorruptEntryError` for that chunk
+        alone (:func:`_wrong_type`); any other error raises."""
         out = []
         for reply in replies:
-            if isinstance(reply, redis.exceptions.ResponseError):
-                if "WRONGTYPE" not in str(reply):
-                    raise reply
-                reply = CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash "
-                                          "(another program wrote it)")
-            elif isinstance(reply, Exception):
-                raise reply
+            if isinstance(reply, Exception):
+                reply = _wrong_type(reply)
             out.append(reply)
         return out
 
@@ -431,9 +435,7 @@ class RedisKVStore(KVStore):
             try:
                 return bool(self._client.hexists(name, MANIFEST_FIELD))
             except redis.exceptions.ResponseError as exc:
-                if "WRONGTYPE" in str(exc):
-                    raise CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash") from None
-                raise
+                raise _wrong_type(exc) from None
 
     def delete(self, key: str) -> bool:
         name = self._hash(key)
@@ -494,8 +496,7 @@ class RedisKVStore(KVStore):
                 if self._restore_counters():
                     totals = [int(t) + self._seen_totals.get(name, 0) for (name, _), t in zip(fields, totals)]
                 epoch = self._epoch or ""
-            if epoch != self._epoch:
-                self._epoch = epoch
+            self._epoch = epoch
             for (name, _), total in zip(fields, totals):
                 self._seen_totals[name] = int(total)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 
 from cacheblend_rag.errors import BlendInputError
-from cacheblend_rag.serving.tools import ARGUMENTS, NAME
+from cacheblend_rag.serving.tools import call_text
 
 
 def _role(message: BaseMessage) -> str:
@@ -57,7 +56,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         content = _text(m, i)
         if isinstance(m, AIMessage) and m.tool_calls:
-            calls = "\n".join(json.dumps({NAME: c["name"], ARGUMENTS: c["args"]}) for c in m.tool_calls)
+            calls = "\n".join(call_text(c["name"], c["args"]) for c in m.tool_calls)
             content = f"{content}\n{calls}" if content else calls
         out.append({"role": _role(m), "content": content})
     return out

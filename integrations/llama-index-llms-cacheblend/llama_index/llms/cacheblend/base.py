@@ -13,7 +13,6 @@ stats in ``additional_kwargs`` (and ``raw``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -38,8 +37,7 @@ from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
 from cacheblend_rag.serving.tools import (
-    ARGUMENTS,
-    NAME,
+    call_text,
     chosen_tools,
     constrained,
     read_tool_call,
@@ -325,8 +323,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 def _content(message: ChatMessage) -> str:
     """A message's text; an assistant's tool calls written as the JSON the model answers a call with."""
     calls = message.additional_kwargs.get("tool_calls") or []
-    text = "\n".join(json.dumps({NAME: c["name"], ARGUMENTS: c["arguments"]}) for c in calls
-                     if isinstance(c, dict) and "name" in c)
+    text = "\n".join(call_text(c["name"], c["arguments"]) for c in calls if isinstance(c, dict) and "name" in c)
     return "\n".join(part for part in (message.content or "", text) if part)
 
 
