@@ -4,7 +4,7 @@ strings, streaming."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
 
 import torch
@@ -12,7 +12,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
-from cacheblend_rag.engine.results import BlendStats, KVSourceProvider
+from cacheblend_rag.engine.decode import Decoding, decode_logits
+from cacheblend_rag.engine.results import GenerationResult, KVSourceProvider
 from cacheblend_rag.errors import BlendInputError
 
 if TYPE_CHECKING:
@@ -36,39 +37,6 @@ def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[tor
         else:  # sliding-window and other layer kinds keep their own bookkeeping
             cache.update(k, v, layer)
     return cache
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
-    prompt_tokens: int
-    ttft_s: float  # request start to first sampled token
-    total_s: float
-    stats: BlendStats
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        decode_time = self.total_s - self.ttft_s
-        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
-
-    def stats_dict(self) -> dict[str, Any]:
-        """Flat, JSON-friendly stats for integrations (LlamaIndex ``additional_kwargs``, LangChain metadata)."""
-        return {
-            "ttft_s": self.ttft_s,
-            "total_s": self.total_s,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "finish_reason": self.finish_reason,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            **self.stats.to_dict(),
-        }
 
 
 class TokenSampler:
@@ -182,17 +150,20 @@ def run_generation(
     return GenerationStream(_decode(engine, segments, gen, config, store, holder), holder)
 
 
-def _decode(
+def start_decoding(
     engine: "CacheBlendEngine",
     segments: list["SegmentLike"],
     gen: GenerationConfig,
     config: BlendConfig | None,
     store: KVSourceProvider | None,
-    holder: dict[str, GenerationResult],
-) -> Iterator[str]:
+    started: float | None = None,
+) -> Decoding:
+    """Blend ``segments`` and sample the answer's first token: a request ready to decode.
+    ``started`` (default: now) is when the request began, for its TTFT (a server passes the
+    time it was submitted, so waiting in its queue counts)."""
     if engine.tokenizer is None:
         raise BlendInputError("generation needs a tokenizer to turn tokens into text")
-    start = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     gen = gen.resolved(getattr(engine.model, "generation_config", None))
     eos = eos_token_ids(engine)
     constraint = None
@@ -202,56 +173,26 @@ def _decode(
         constraint = JsonConstraint.from_text(engine, gen.json_schema, sorted(eos), budget=gen.max_new_tokens,
                                               optional=not gen.json_only)
     blended = engine.blend(segments, config=config, store=store)
-    sampler = TokenSampler(gen, blended.input_ids, constraint)
-    token = sampler(blended.logits)
-    ttft = time.perf_counter() - start
-    cache = blended.cache
-    position = len(blended.input_ids)
-    tokens: list[int] = []
-    emitted = ""
-    finish = "length"
-    hold = max((len(s) for s in gen.stop), default=1) - 1  # chars that could start a stop string
+    return Decoding(engine, gen, blended, TokenSampler(gen, blended.input_ids, constraint), eos, started)
 
-    with torch.inference_mode():
+
+def _decode(
+    engine: "CacheBlendEngine",
+    segments: list["SegmentLike"],
+    gen: GenerationConfig,
+    config: BlendConfig | None,
+    store: KVSourceProvider | None,
+    holder: dict[str, GenerationResult],
+) -> Iterator[str]:
+    decoding = start_decoding(engine, segments, gen, config, store)
+    try:
         while True:
-            if token in eos:
-                finish = "eos"
+            delta = decoding.accept()
+            if delta:
+                yield delta
+            if decoding.done:
                 break
-            tokens.append(token)
-            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-            hit = min((i for i in (text.find(s) for s in gen.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                text, finish = text[:hit], "stop"
-                if len(text) > len(emitted):
-                    yield text[len(emitted):]
-                emitted = text
-                break
-            # Hold back an incomplete UTF-8 character and anything that could begin a stop string.
-            safe = text[: len(text) - hold] if hold else text
-            if not safe.endswith("\ufffd") and len(safe) > len(emitted):
-                yield safe[len(emitted):]
-                emitted = safe
-            if len(tokens) >= gen.max_new_tokens:
-                break
-            ids = torch.tensor([[token]], dtype=torch.long, device=engine.device)
-            pos = torch.tensor([[position]], dtype=torch.long, device=engine.device)
-            out = engine.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True)
-            position += 1
-            token = sampler(out.logits[0, -1], tokens)
-        if finish != "stop":
-            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-            emitted = text
-
-    total = time.perf_counter() - start
-    holder["result"] = GenerationResult(
-        text=emitted,
-        token_ids=tokens,
-        finish_reason=finish,
-        prompt_tokens=len(blended.input_ids),
-        ttft_s=ttft,
-        total_s=total,
-        stats=blended.stats,
-        timings={"blend_s": blended.stats.timings.get("total", 0.0)},
-    )
+            decoding.advance(decode_logits(engine, [decoding])[0])
+    finally:
+        decoding.release()  # a stream closed early frees its KV now, not when it is collected
+    holder["result"] = decoding.result()

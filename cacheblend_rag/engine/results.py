@@ -56,6 +56,39 @@ class BlendResult:
     stats: BlendStats
 
 
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int
+    ttft_s: float  # request start to first sampled token
+    total_s: float
+    stats: BlendStats
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Flat, JSON-friendly stats for integrations (LlamaIndex ``additional_kwargs``, LangChain metadata)."""
+        return {
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            **self.stats.to_dict(),
+        }
+
+
 class KVSourceProvider(Protocol):
     """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
 
