@@ -208,3 +208,27 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return not self.temperature
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine's scheduler.
+
+    max_batch_size:
+        Requests decoded together (each holds its KV in memory while it runs). More wait.
+    max_waiting:
+        Requests (and jobs) queued beyond the running ones; one more is refused with
+        :class:`SchedulerFullError` rather than left to wait without bound.
+    max_prefills_per_step:
+        Blends admitted between two decode steps: lower keeps tokens flowing to running
+        requests, higher reaches first tokens sooner when many arrive at once.
+    """
+
+    max_batch_size: int = 16
+    max_waiting: int = 256
+    max_prefills_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        _check_range("max_batch_size", self.max_batch_size, 1, 4096, integer=True)
+        _check_range("max_waiting", self.max_waiting, 0, 1_000_000, integer=True)
+        _check_range("max_prefills_per_step", self.max_prefills_per_step, 1, 4096, integer=True)

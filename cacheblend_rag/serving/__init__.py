@@ -2,20 +2,25 @@
 and one path from a rendered prompt to a blended answer. The integrations are framework glue on top.
 
 * :mod:`~cacheblend_rag.serving.settings`: :class:`CacheBlendSettings`, the pydantic fields both expose;
-* :mod:`~cacheblend_rag.serving.registry`: one engine per model, one lock per engine, one chunk cache
-  per engine and store;
+* :mod:`~cacheblend_rag.serving.registry`: one engine per model, one scheduler per engine, one chunk
+  cache per engine and store;
+* :mod:`~cacheblend_rag.serving.scheduler`: :class:`RequestScheduler`, the one worker thread of an
+  engine, which blends requests as they come and decodes the running ones as one batch;
 * :mod:`~cacheblend_rag.serving.chunks`: the normal form of a chunk's text and the announced texts;
 * :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
 """
 
 from cacheblend_rag.prompting import chunk_text, chunk_texts
 from cacheblend_rag.serving.chunks import AnnouncedChunks
-from cacheblend_rag.serving.registry import EngineSlot, chunk_cache_for, shared_engine, slot_for
+from cacheblend_rag.config import SchedulerConfig
+from cacheblend_rag.serving.registry import EngineSlot, chunk_cache_for, scheduler_for, shared_engine, slot_for
+from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, RequestScheduler, SchedulerFullError
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
 from cacheblend_rag.serving.settings import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
 
 __all__ = [
     "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
-    "Served", "ServedStream", "chunk_cache_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
+    "RequestCancelled", "RequestHandle", "RequestScheduler", "SchedulerConfig", "SchedulerFullError",
+    "Served", "ServedStream", "chunk_cache_for", "scheduler_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",
 ]

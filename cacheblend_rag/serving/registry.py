@@ -1,10 +1,11 @@
-"""Engines, locks and chunk caches shared by every integration object of a process.
+"""Engines, schedulers and chunk caches shared by every integration object of a process.
 
 Loading a model takes seconds and its chunk KV takes memory, so LLMs and chat models that
 name the same model (and device and dtype) share one engine, and those on the same engine
-and store share one chunk cache. Each engine has one lock, whichever framework uses it:
-a torch model is not re-entrant, its tokenizer is not safe to call from two threads at
-once, and one CPU or GPU gains nothing from interleaving two decodes.
+and store share one chunk cache. Each engine has one scheduler, whichever framework uses it,
+whose worker thread is the only one to touch the engine: a torch model is not re-entrant,
+its tokenizer is not safe to call from two threads at once, and concurrent requests are
+decoded fastest as one batch (:mod:`~cacheblend_rag.serving.scheduler`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.config import BlendConfig, SchedulerConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.serving.scheduler import RequestScheduler
 from cacheblend_rag.store import ChunkCache, KVStore, open_store
 
 # Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
@@ -31,9 +33,11 @@ ChunkCacheKey = tuple[Any, ...]  # store, prefix, size limit, storage dtype, has
 
 @dataclass
 class EngineSlot:
-    """An engine with the lock that serialises its use and its chunk caches, one per store and prefix."""
+    """An engine with its scheduler and its chunk caches, one per store and prefix (``lock`` guards
+    the chunk caches' table only; the engine's work goes through the scheduler)."""
 
     engine: CacheBlendEngine
+    scheduler: RequestScheduler
     lock: threading.RLock = field(default_factory=threading.RLock)
     chunk_caches: dict[ChunkCacheKey, ChunkCache] = field(default_factory=dict)
 
@@ -87,12 +91,24 @@ def shared_engine(
 
 
 def slot_for(engine: CacheBlendEngine) -> EngineSlot:
-    """The lock and chunk caches that go with ``engine`` (also for engines built by the caller)."""
+    """The scheduler and chunk caches that go with ``engine`` (also for engines built by the caller)."""
     with _registry_lock:
         slot = _slots.get(engine)
         if slot is None:
-            slot = _slots[engine] = EngineSlot(engine)
+            slot = _slots[engine] = EngineSlot(engine, RequestScheduler(engine))
         return slot
+
+
+def scheduler_for(engine: CacheBlendEngine, config: SchedulerConfig | None = None) -> RequestScheduler:
+    """The one scheduler of ``engine``; ``config`` changes its limits (from its next iteration on).
+    A closed scheduler is replaced by a new one."""
+    slot = slot_for(engine)
+    with _registry_lock:
+        if slot.scheduler.closed:
+            slot.scheduler = RequestScheduler(engine, config)
+        elif config is not None:
+            slot.scheduler.configure(**config.__dict__)
+        return slot.scheduler
 
 
 def chunk_cache_for(

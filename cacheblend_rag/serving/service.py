@@ -3,23 +3,29 @@
 Frameworks hand a model one rendered prompt string. The retrieval side has told the service
 which chunk texts prompts will contain (:meth:`BlendService.announce`); the service finds
 them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
-cache, everything else fresh), blends and decodes, holding the engine's lock throughout.
+cache, everything else fresh), blends and decodes. All of that runs on the engine's
+:class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
+requests together; callers on any thread only wait for their deltas.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
-from cacheblend_rag.engine.generate import TextStream
+from cacheblend_rag.engine.decode import Decoding
+from cacheblend_rag.engine.generate import start_decoding
 from cacheblend_rag.engine.segments import Segment
 from cacheblend_rag.prompting import split_prompt, to_segments_in_context
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
-from cacheblend_rag.serving.registry import slot_for
+from cacheblend_rag.serving.registry import scheduler_for
+from cacheblend_rag.serving.scheduler import RequestHandle
 from cacheblend_rag.store import ChunkCache, WarmSummary
+from cacheblend_rag.store.chunk_cache import with_progress
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +59,8 @@ class Served:
         return stats
 
 
-# Text deltas of one request, produced under the engine's lock; ``result()`` after the last one.
-ServedStream = TextStream[Served]
+# Text deltas of one request, as the scheduler's worker decodes them; ``result()`` after the last one.
+ServedStream = RequestHandle[Served]
 
 # A prompt this long that reuses nothing is worth a warning: it is a RAG prompt by its size
 # (shorter ones are often a chat engine's own calls, or no RAG at all).
@@ -78,7 +84,7 @@ class BlendService:
         self.engine = engine
         self.chunk_cache = chunk_cache
         self.announced = announced
-        self.lock = slot_for(engine).lock
+        self.scheduler = scheduler_for(engine)
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------- chunks
@@ -87,10 +93,10 @@ class BlendService:
         return self.announced.announce(texts)
 
     def warm(self, texts: Iterable[str], *, show_progress: bool = False) -> WarmSummary:
-        """Compute and store the KV of each chunk text the store lacks."""
-        kept = chunk_texts(texts)
-        with self.lock:
-            return self.chunk_cache.warm(kept, show_progress=show_progress)
+        """Compute and store the KV of each chunk text the store lacks, on the scheduler's worker, a
+        batch of chunks between two decode steps."""
+        steps = self.chunk_cache.warm_steps(chunk_texts(texts))
+        return self.scheduler.run_job(with_progress(steps, show_progress)).result()
 
     # ------------------------------------------------------------- prompts
     def prepare(self, prompt: str, *, reuse: bool = True) -> PreparedPrompt:
@@ -145,25 +151,24 @@ class BlendService:
     def stream(
         self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True
     ) -> ServedStream:
-        """Text deltas of the answer, produced under the engine's lock; ``close()`` stops it early."""
-        holder: dict[str, Served] = {}
-        return TextStream(self._deltas(prompt, generation, blend, reuse, holder), holder)
+        """Submit ``prompt``: its text deltas as the scheduler decodes them; ``close()`` drops it.
+        Raises :class:`~cacheblend_rag.serving.scheduler.SchedulerFullError` when the queue is full."""
+        submitted = time.perf_counter()
+        prepared: list[PreparedPrompt] = []
+
+        def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
+            prepared.append(self.prepare(prompt, reuse=reuse))
+            return start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
+                                  started=submitted)
+
+        def finish(result: GenerationResult) -> Served:
+            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio)
+
+        return self.scheduler.submit(start, finish)
 
     def generate(self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True) -> Served:
-        return self.stream(prompt, generation, blend, reuse=reuse).result()
-
-    def _deltas(
-        self, prompt: str, generation: GenerationConfig, blend: BlendConfig, reuse: bool, holder: dict[str, Served]
-    ) -> Iterator[str]:
-        with self.lock:
-            prepared = self.prepare(prompt, reuse=reuse)
-            stream = self.engine.stream(prepared.segments, generation, config=blend, store=self.chunk_cache)
-            deltas = iter(stream)
-            try:
-                yield from deltas
-                result = stream.result()
-            finally:
-                close = getattr(deltas, "close", None)
-                if close is not None:
-                    close()
-        holder["result"] = Served(result, prepared, self.engine.model_name, blend.recompute_ratio)
+        stream = self.stream(prompt, generation, blend, reuse=reuse)
+        try:
+            return stream.result()
+        finally:
+            stream.close()  # interrupted while waiting: the request leaves the scheduler too

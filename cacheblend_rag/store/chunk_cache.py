@@ -40,7 +40,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -82,6 +82,21 @@ class WarmSummary:
     present: int = 0  # chunks already in the store (or written meanwhile by another process)
     bytes_written: int = 0
     failed: int = 0  # chunks computed but not written because the store failed
+
+
+def with_progress(
+    steps: Generator[tuple[int, int], None, WarmSummary], show_progress: bool
+) -> Generator[None, None, WarmSummary]:
+    """:meth:`ChunkCache.warm_steps` with a progress bar, step for step."""
+    with tqdm(desc="precompute chunk KV", unit="chunk", disable=not show_progress) as bar:
+        while True:
+            try:
+                todo, done = next(steps)
+            except StopIteration as finished:
+                return finished.value
+            bar.total = todo
+            bar.update(done - bar.n)
+            yield
 
 
 class ChunkCache:
@@ -412,6 +427,20 @@ class ChunkCache:
         never recomputed) only if it is stored without loss: warm it with ``lossless=True``, which
         keeps the model's own dtype whatever this cache's codec. Stored at fewer bits it is blended
         like any other chunk."""
+        steps = with_progress(self.warm_steps(items, prefix_ids=prefix_ids, lossless=lossless), show_progress)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+
+    def warm_steps(
+        self, items: Iterable[str | Sequence[int]], *, prefix_ids: Sequence[int] | None = None,
+        lossless: bool = False,
+    ) -> Generator[tuple[int, int], None, WarmSummary]:
+        """:meth:`warm` one batch per step: yields ``(chunks to compute, chunks computed)`` after
+        each batch and returns the summary. A server's scheduler runs a step between two decode
+        steps, so a large warm never holds the requests that are decoding."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
         summary = WarmSummary()
         fingerprint = self.engine.fingerprint  # once: it checks the weights
@@ -426,8 +455,9 @@ class ChunkCache:
             else:
                 todo.append(ids)
             seen.add(ids)
-        bar = tqdm(total=len(todo), desc="precompute chunk KV", unit="chunk", disable=not show_progress)
         writes: list[Future] = []
+        if todo:
+            yield len(todo), 0
         for start in range(0, len(todo), self.batch_size):
             batch = todo[start : start + self.batch_size]
             chunks = self.engine.prefill_chunks(batch, prefix_ids=prefix, batch_size=self.batch_size)
@@ -437,10 +467,9 @@ class ChunkCache:
             writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids,
                                                                            fingerprint=fingerprint), c, lossless)
                       for c in chunks]
-            bar.update(len(batch))
+            yield len(todo), start + len(batch)
         for future in writes:
             self._tally(summary, future.result())
-        bar.close()
         return summary
 
     @staticmethod

@@ -51,7 +51,7 @@ def test_unknown_arguments_are_refused_with_a_suggestion_in_both(engine):
 
 def test_one_engine_has_one_lock_and_one_chunk_cache_per_store_whichever_framework_uses_it(engine, tmp_path):
     llama, chain = CacheBlendLLM.from_engine(engine), ChatCacheBlend(engine=engine)
-    assert llama.service.lock is chain.service.lock
+    assert llama.service.scheduler is chain.service.scheduler
     assert llama.chunk_cache is chain.chunk_cache
     on_disk = CacheBlendLLM.from_engine(engine, store_path=str(tmp_path / "kv"))
     assert on_disk.chunk_cache is not llama.chunk_cache

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Iterable
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -11,6 +10,7 @@ from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.vectorstores import VectorStoreRetriever
 from pydantic import ConfigDict, Field
 
+from cacheblend_rag.concurrency import run_in_thread
 from cacheblend_rag.store import WarmSummary
 from langchain_cacheblend.chat_models import ChatCacheBlend
 
@@ -65,7 +65,7 @@ class CacheBlendRetriever(BaseRetriever):
         documents = (await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()},
                                                   **kwargs))[:k]
         # Precomputing is model work: keep it off the event loop.
-        await asyncio.to_thread(self.llm.warm, documents, show_progress=self.show_progress)
+        await run_in_thread(self.llm.warm, documents, show_progress=self.show_progress)
         return documents
 
     def _k(self, kwargs: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:

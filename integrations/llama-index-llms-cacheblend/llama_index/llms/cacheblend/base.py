@@ -12,7 +12,6 @@ stats in ``additional_kwargs`` (and ``raw``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -32,7 +31,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from cacheblend_rag.concurrency import iterate_in_thread
+from cacheblend_rag.concurrency import iterate_in_thread, run_in_thread
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
@@ -232,6 +231,15 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         served = self.service.generate(prompt, generation, blend, reuse=self.reuse_chunk_kv)
         return self._finish(prompt, served, text=served.result.text, delta=None)
 
+    async def _agenerate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
+        generation, blend = self._call_configs(kwargs)
+        stream = self.service.stream(prompt, generation, blend, reuse=self.reuse_chunk_kv)
+        try:
+            served = await run_in_thread(stream.result)
+        finally:
+            stream.close()  # a cancelled task's request leaves the scheduler at its next step
+        return self._finish(prompt, served, text=served.result.text, delta=None)
+
     def _generate_stream(self, prompt: str, kwargs: Dict[str, Any]) -> Iterator[CompletionResponse]:
         """Yields a response per text delta; the last one carries the stats.
 
@@ -284,10 +292,10 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
             return iter([self._as_tool_call(_as_chat(self._generate(prompt, kwargs)), kwargs)])
         return (_as_chat(r) for r in self._generate_stream(prompt, kwargs))
 
-    # Async: the engine runs in a worker thread, so the event loop stays free.
+    # Async: the engine runs on the scheduler's worker thread, so the event loop stays free.
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self._generate, self._format_completion(prompt, formatted), kwargs)
+        return await self._agenerate(self._format_completion(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(
@@ -299,7 +307,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt = self._render_messages(self._with_tools(messages, kwargs))
-        response = await asyncio.to_thread(self._generate, prompt, kwargs)
+        response = await self._agenerate(prompt, kwargs)
         return self._as_tool_call(_as_chat(response), kwargs)
 
     @llm_chat_callback()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from typing import Any, Sequence
 
 from llama_index.core.bridge.pydantic import Field, model_validator
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+
+from cacheblend_rag.concurrency import run_in_thread
 
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.postprocessor.cacheblend.nodes import node_chunk_text
@@ -50,4 +51,4 @@ class CacheBlendKVPrecompute(TransformComponent):
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+        return await run_in_thread(self.__call__, nodes, **kwargs)
