@@ -217,8 +217,8 @@ class SchedulerConfig:
     max_batch_size:
         Requests decoded together (each holds its KV in memory while it runs). More wait.
     max_waiting:
-        Requests (and jobs) queued beyond the running ones; one more is refused with
-        :class:`SchedulerFullError` rather than left to wait without bound.
+        Requests queued beyond the running ones; one more is refused with ``SchedulerFullError``
+        rather than left to wait without bound (jobs, such as a warm, are not counted).
     max_prefills_per_step:
         Blends admitted between two decode steps: lower keeps tokens flowing to running
         requests, higher reaches first tokens sooner when many arrive at once.

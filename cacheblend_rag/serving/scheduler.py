@@ -140,7 +140,13 @@ class RequestScheduler:
         Raises :class:`SchedulerFullError` when ``max_waiting`` requests already wait."""
         handle: RequestHandle[R] = RequestHandle(start, finish)
         with self._cond:
-            self._check_room()
+            self._check_open()
+            if len(self._waiting) >= self.config.max_waiting:
+                self.rejected += 1
+                raise SchedulerFullError(
+                    f"{len(self._waiting)} requests are already waiting (max_waiting={self.config.max_waiting}, "
+                    f"{len(self._running)} running): retry later, or raise the limit with "
+                    "scheduler_for(engine).configure(max_waiting=...)")
             self._waiting.append(handle)
             self._wake()
         return handle
@@ -150,7 +156,7 @@ class RequestScheduler:
         holds the generator's return value (or its exception)."""
         job: _Job[J] = _Job(steps)
         with self._cond:
-            self._check_room()
+            self._check_open()
             self._jobs.append(job)
             self._wake()
         return job.future
@@ -167,16 +173,9 @@ class RequestScheduler:
     def closed(self) -> bool:
         return self._closed
 
-    def _check_room(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this scheduler is closed; make a new one (serving.scheduler_for) for new requests")
-        queued = len(self._waiting) + len(self._jobs)
-        if queued >= self.config.max_waiting:
-            self.rejected += 1
-            raise SchedulerFullError(
-                f"{queued} requests are already waiting (max_waiting={self.config.max_waiting}, "
-                f"{len(self._running)} running): retry later, or raise the limit with "
-                "scheduler_for(engine).configure(max_waiting=...)")
 
     def _wake(self) -> None:
         if self._thread is None:
