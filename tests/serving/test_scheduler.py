@@ -321,3 +321,36 @@ def test_config_is_validated():
         SchedulerConfig(max_batch_size=0)
     with pytest.raises(ConfigError, match="max_waiting"):
         SchedulerConfig(max_waiting=-1)
+
+
+@pytest.fixture(scope="module")
+def smollm2_requests(smollm2_engine):
+    """Eight chat-templated prompts of different lengths on real weights, each answered alone."""
+    engine = smollm2_engine
+    passages = [f"Passage {i}: " + " ".join(TEXTS[(i + j) % 3] for j in range(1 + i % 4)) + "\n\n" for i in range(8)]
+    chunks = engine.prefill_chunks([engine.tokenize(p) for p in passages])
+    head = engine.tokenize("<|im_start|>system\nAnswer from the passages.<|im_end|>\n<|im_start|>user\n")
+    segments = []
+    for i in range(8):
+        tail = engine.tokenize(f"Question {i}: Which river and which city are named? Answer briefly.<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+        segments.append([head, *(chunks[(i + j) % 8] for j in range(2 + i % 3)), tail])
+    return segments, [engine.generate(s, max_new_tokens=16) for s in segments]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_smollm2_batched_answers_equal_answers_alone(smollm2_engine, smollm2_requests, batch):
+    """Greedy tokens through the scheduler equal each request decoded alone, on real weights."""
+    engine = smollm2_engine
+    segments, alone = smollm2_requests
+    scheduler = RequestScheduler(engine, SchedulerConfig(max_prefills_per_step=batch))
+    try:
+        gate = Gate(scheduler)
+        handles = [submit(scheduler, engine, s, max_new_tokens=16) for s in segments[:batch]]
+        gate.release.set()
+        results = [h.result() for h in handles]
+    finally:
+        scheduler.close()
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone[:batch]]
+    assert all(a.text.strip() for a in alone)
