@@ -132,9 +132,17 @@ class Decoding:
         self.finish: str | None = None
         # Characters that could start a stop string are held back until they cannot.
         self.hold = max((len(s) for s in gen.stop), default=1) - 1
-        room = max(1, min(gen.max_new_tokens - 1, self.window - self.prompt_tokens))
-        self.kv = DecodingKV(blended.cache, room) if engine.adapter is not None else None
-        self.cache = blended.cache if self.kv is None else None  # the model's own forward decodes it
+        self.room = max(1, min(gen.max_new_tokens - 1, self.window - self.prompt_tokens))
+        self.cache: Any = blended.cache  # the blend's; the model's own forward decodes it without an adapter
+        self._kv: DecodingKV | None = None
+
+    @property
+    def kv(self) -> DecodingKV | None:
+        """The request's decoding KV, copied from the blend's cache at its first step (not before, so
+        the first token reaches the caller without waiting for the copy)."""
+        if self._kv is None and self.cache is not None and self.engine.adapter is not None:
+            self._kv, self.cache = DecodingKV(self.cache, self.room), None
+        return self._kv
 
     @property
     def done(self) -> bool:
@@ -175,7 +183,7 @@ class Decoding:
 
     def release(self) -> None:
         """Drop the request's KV (it is finished, cancelled or failed)."""
-        self.kv = None
+        self._kv = None
         self.cache = None
 
     def result(self) -> GenerationResult:
