@@ -27,8 +27,8 @@ from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.registry import chunk_cache_for, shared_engine
-from cacheblend_rag.serving.service import BlendService
-from cacheblend_rag.store import ChunkCache, parse_size
+from cacheblend_rag.serving.service import BlendService, Served
+from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
 logger = logging.getLogger(__name__)
@@ -251,6 +251,19 @@ class CacheBlendSettings(BaseModel):
     @property
     def service(self) -> BlendService:
         return self._service
+
+    def stats_of(self, served: Served) -> dict[str, Any]:
+        """The stats a response carries: ``served``'s, with chunks the retrieval side computed for this
+        request (``precomputed_for_request``) told apart from store hits (``cache_hits``)."""
+        return self._service.announced.account(served.stats(), served.prompt.segments)
+
+    def precompute_texts(self, texts: list[str], *, show_progress: bool, for_request: bool) -> WarmSummary:
+        """Compute and store the KV of the chunk texts the store lacks; ``for_request``: for the coming
+        request (the retrieval side at query time), whose stats then count those chunks apart."""
+        summary = self._service.warm(texts, show_progress=show_progress)
+        if for_request:
+            self._service.announced.note_computed(summary.computed)
+        return summary
 
     def generation_config_with(self, max_new_tokens: int, stop: Optional[list], overrides: dict[str, Any]
                                ) -> GenerationConfig:
