@@ -14,18 +14,14 @@ from pydantic import ValidationError
 
 from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.models.loader import load_model, resolve_device
-from cacheblend_rag.testing import tiny_model, tiny_tokenizer
+from cacheblend_rag.testing import save_tiny_model
 
 CLASSES = [CacheBlendLLM, ChatCacheBlend]
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = tiny_tokenizer()
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.mark.parametrize("cls", CLASSES)

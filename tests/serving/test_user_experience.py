@@ -22,7 +22,7 @@ from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.models.loader import resolve_device
 from cacheblend_rag.serving import AnnouncedChunks, BlendService, chunk_cache_for
-from cacheblend_rag.testing import tiny_engine, tiny_model, tiny_tokenizer
+from cacheblend_rag.testing import save_tiny_model, tiny_engine
 
 CHUNKS = [
     "Marie Curie was a physicist and chemist who won two Nobel prizes in Warsaw and Paris.",
@@ -38,13 +38,7 @@ def engine():
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny Llama saved as a model folder, as a user's own fine-tune would be."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = tiny_tokenizer()
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 # ------------------------------------------------------------------ 1. settings are never dropped

@@ -16,7 +16,7 @@ from llama_index.postprocessor.cacheblend.nodes import node_chunk_text, record_c
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import open_store
 from cacheblend_rag.store.commands import read_chunks
-from cacheblend_rag.testing import tiny_model, tiny_tokenizer
+from cacheblend_rag.testing import save_tiny_model
 
 RECORDS = [
     {"text": "Paris is the capital of France. The river Seine flows through Paris.", "metadata": {"topic": "France"}},
@@ -29,11 +29,7 @@ TOP_K = 3
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = tiny_tokenizer()
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
