@@ -6,6 +6,7 @@ tests) can exercise a full pipeline in well under a second, with no download.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,3 +99,15 @@ def tiny_engine(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # Test prompts are a few dozen tokens: they must blend, not fall back to full prefill.
     return CacheBlendEngine(model, tokenizer, config=config, model_name=f"tiny-{arch}", min_blend_tokens=0)
+
+
+def save_tiny_model(folder: str | Path, arch: str = "llama") -> Path:
+    """A tiny model and its tokenizer saved as a model folder, as a user's own fine-tune would be:
+    what ``model=``, ``warm --model`` and ``load_model`` take."""
+    folder = Path(folder)
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(arch, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

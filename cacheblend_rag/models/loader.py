@@ -208,9 +208,10 @@ def load_model(
 
     target = str(folder) if folder is not None else str(name_or_path)
     hub_options = {} if folder is not None else _hub_options(str(name_or_path))
-    tokenizer_source = str(tokenizer) if tokenizer is not None else target
+    loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
     try:
-        loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **hub_options)
+        if loaded_tokenizer is None:
+            loaded_tokenizer = AutoTokenizer.from_pretrained(target, **hub_options)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs)
     except (OSError, ValueError) as exc:
         if folder is None:
@@ -230,7 +231,22 @@ def load_model(
     return LoadedModel(model=model, tokenizer=loaded_tokenizer, adapter=adapter, name=name, source=source)
 
 
-def _hub_options(repo_id: str, timeout: float = 3.0) -> dict[str, Any]:
+def _load_tokenizer(tokenizer: str | os.PathLike[str]) -> Any:
+    """A tokenizer from another folder or hub id than the model's, failing as fast as a model does, under its own name."""
+    from transformers import AutoTokenizer
+
+    local = Path(tokenizer).expanduser().exists()
+    options = {} if local else _hub_options(str(tokenizer), what="tokenizer",
+                                            instead="leave tokenizer_name unset to use the model's own")
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer), **options)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load tokenizer {str(tokenizer)!r} (tokenizer_name): "
+                             f"{exc.__class__.__name__}: {exc}") from exc
+
+
+def _hub_options(repo_id: str, timeout: float = 3.0, *, what: str = "model",
+                 instead: str = "leave the model unset for the embedded SmolLM2-135M-Instruct") -> dict[str, Any]:
     """How to load a hub id: from the Hugging Face cache alone if it is there, else from the hub,
     which must answer within ``timeout`` seconds (transformers would retry for most of a minute)."""
     import socket
@@ -238,18 +254,20 @@ def _hub_options(repo_id: str, timeout: float = 3.0) -> dict[str, Any]:
 
     from huggingface_hub import constants, try_to_load_from_cache
 
-    cached = try_to_load_from_cache(repo_id, "config.json")
+    # A tokenizer-only repository has no config.json; its tokenizer_config.json marks it cached.
+    marker = "config.json" if what == "model" else "tokenizer_config.json"
+    cached = try_to_load_from_cache(repo_id, marker)
     if isinstance(cached, str):
         return {"local_files_only": True}
     where = f"not a local folder or .gguf file, and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
     if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(f"could not load model {repo_id!r}: it is {where}, and HF_HUB_OFFLINE is set. Pass a "
-                             "local path, or leave the model unset for the embedded SmolLM2-135M-Instruct")
+        raise ModelLoadError(f"could not load {what} {repo_id!r}: it is {where}, and HF_HUB_OFFLINE is set. Pass a "
+                             f"local path, or {instead}")
     endpoint = urlsplit(constants.ENDPOINT)
     try:
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
     except OSError as exc:
-        raise ModelLoadError(f"could not load model {repo_id!r}: it is {where}, and the hub at {constants.ENDPOINT} "
+        raise ModelLoadError(f"could not load {what} {repo_id!r}: it is {where}, and the hub at {constants.ENDPOINT} "
                              f"cannot be reached ({exc or type(exc).__name__}, after {timeout:g} s). Pass a local path, "
-                             "or leave the model unset for the embedded SmolLM2-135M-Instruct") from None
+                             f"or {instead}") from None
     return {}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
+from cacheblend_rag.engine.segments import Segment, StoredSegment
 from cacheblend_rag.prompting import chunk_texts
 
 
@@ -21,6 +22,7 @@ class AnnouncedChunks:
         self.capacity = capacity
         self._texts: OrderedDict[str, None] = OrderedDict()
         self._latest: tuple[str, ...] = ()
+        self._computed: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
 
     def announce(self, texts: Iterable[str]) -> list[str]:
@@ -48,6 +50,27 @@ class AnnouncedChunks:
         with self._lock:
             self._texts.clear()
             self._latest = ()
+            self._computed.clear()
+
+    # A chunk the retrieval side computes at query time (the postprocessor, CacheBlendRetriever) is in
+    # the store when the blend reads it, yet it was no store hit: the stats count it apart.
+    def note_computed(self, token_ids: Iterable[Sequence[int]]) -> None:
+        """The chunks (token ids) the retrieval side just computed for the coming request; replaces
+        the previous request's, so a chunk noted once is counted apart by one request at most."""
+        with self._lock:
+            self._computed = {tuple(int(t) for t in ids) for ids in token_ids}
+
+    def account(self, stats: dict[str, Any], segments: Sequence[Segment]) -> dict[str, Any]:
+        """``stats`` with the store hits split: ``cache_hits`` counts chunks loaded as they were stored
+        before this request, ``precomputed_for_request`` those the retrieval side computed for it."""
+        stored = [tuple(s.token_ids) for s in segments if isinstance(s, StoredSegment)]
+        with self._lock:
+            noted = [ids for ids in stored if ids in self._computed]
+            self._computed.difference_update(noted)
+        computed = min(len(noted), int(stats.get("cache_hits") or 0))  # a full-prefill answer loaded none
+        stats["cache_hits"] = int(stats.get("cache_hits") or 0) - computed
+        stats["precomputed_for_request"] = computed
+        return stats
 
     def __len__(self) -> int:
         return len(self._texts)

@@ -11,24 +11,27 @@ in LlamaIndex, ``max_tokens`` in LangChain) and live in the integrations.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
-from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.registry import chunk_cache_for, shared_engine
-from cacheblend_rag.serving.service import BlendService
-from cacheblend_rag.store import ChunkCache, parse_size
+from cacheblend_rag.serving.service import BlendService, Served
+from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
+logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
@@ -249,6 +252,19 @@ class CacheBlendSettings(BaseModel):
     def service(self) -> BlendService:
         return self._service
 
+    def stats_of(self, served: Served) -> dict[str, Any]:
+        """The stats a response carries: ``served``'s, with chunks the retrieval side computed for this
+        request (``precomputed_for_request``) told apart from store hits (``cache_hits``)."""
+        return self._service.announced.account(served.stats(), served.prompt.segments)
+
+    def precompute_texts(self, texts: list[str], *, show_progress: bool, for_request: bool) -> WarmSummary:
+        """Compute and store the KV of the chunk texts the store lacks; ``for_request``: for the coming
+        request (the retrieval side at query time), whose stats then count those chunks apart."""
+        summary = self._service.warm(texts, show_progress=show_progress)
+        if for_request:
+            self._service.announced.note_computed(summary.computed)
+        return summary
+
     def generation_config_with(self, max_new_tokens: int, stop: Optional[list], overrides: dict[str, Any]
                                ) -> GenerationConfig:
         """The generation config of one call: these fields, then the call's ``overrides``."""
@@ -295,9 +311,11 @@ def _hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field
 
 
 def _one_device(owner: str, device_map: Any) -> Optional[str]:
-    """The one device a ``device_map`` names (``"auto"``: whatever is best here)."""
-    if device_map is None or device_map == "auto":
+    """The one device a ``device_map`` names (``"auto"``: the best one here, said in the log)."""
+    if device_map is None:
         return None
+    if device_map == "auto":
+        return _auto_device(owner)
     if isinstance(device_map, dict) and len(set(device_map.values())) == 1:
         device_map = next(iter(device_map.values()))
     if isinstance(device_map, int) and not isinstance(device_map, bool):
@@ -306,6 +324,19 @@ def _one_device(owner: str, device_map: Any) -> Optional[str]:
         return device_map
     raise ValueError(f"{owner} got device_map={device_map!r}: a blend runs the whole model on one device; pass "
                      "device='cuda:0' (or 'cpu'), or device_map='auto' for the best one here")
+
+
+def _auto_device(owner: str) -> str:
+    """``device_map="auto"`` as the one device it maps to here; with several GPUs Hugging Face would split the
+    model over them, and a blend cannot, so that case is a warning rather than a note."""
+    device = str(resolve_device(None))
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 1
+    if gpus > 1:
+        logger.warning("%s: device_map='auto' runs the whole model on %s (a blend needs the model on one device; "
+                       "this machine has %d GPUs); pass device='cuda:N' to choose another", owner, device, gpus)
+    else:
+        logger.info("%s: device_map='auto' maps to device=%r, the one device here", owner, device)
+    return device
 
 
 __all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "SAMPLING_FIELDS", "unknown_names_error"]

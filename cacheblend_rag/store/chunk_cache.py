@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator, Iterable, Sequence
 
@@ -82,6 +82,7 @@ class WarmSummary:
     present: int = 0  # chunks already in the store (or written meanwhile by another process)
     bytes_written: int = 0
     failed: int = 0  # chunks computed but not written because the store failed
+    computed: list[tuple[int, ...]] = field(default_factory=list)  # token ids of the chunks counted in ``new``
 
 
 def with_progress(
@@ -462,23 +463,24 @@ class ChunkCache:
             batch = todo[start : start + self.batch_size]
             chunks = self.engine.prefill_chunks(batch, prefix_ids=prefix, batch_size=self.batch_size)
             # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
-            for future in writes:
-                self._tally(summary, future.result())
-            writes = [self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids,
-                                                                           fingerprint=fingerprint), c, lossless)
-                      for c in chunks]
+            for ids, future in writes:
+                self._tally(summary, ids, future.result())
+            writes = [(ids, self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids,
+                                                                                 fingerprint=fingerprint), c, lossless))
+                      for ids, c in zip(batch, chunks)]
             yield len(todo), start + len(batch)
-        for future in writes:
-            self._tally(summary, future.result())
+        for ids, future in writes:
+            self._tally(summary, ids, future.result())
         return summary
 
     @staticmethod
-    def _tally(summary: WarmSummary, written: int | None) -> None:
+    def _tally(summary: WarmSummary, ids: tuple[int, ...], written: int | None) -> None:
         if written is None:
             summary.failed += 1
         elif written:
             summary.new += 1
             summary.bytes_written += written
+            summary.computed.append(ids)
         else:
             summary.present += 1
 

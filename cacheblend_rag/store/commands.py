@@ -4,7 +4,13 @@
 
 * ``.txt`` (or any other extension): one chunk per paragraph; paragraphs are separated
   by blank lines;
-* ``.jsonl``: one JSON object per line; its ``text`` field is the chunk.
+* ``.jsonl``: one JSON object per line; its ``text`` field is the chunk. A ``metadata`` object
+  is rendered into the chunk as LlamaIndex renders a node's metadata for the LLM (``topic: ...``
+  above the text), by llama-index-postprocessor-cacheblend's own function, so a warmed chunk is
+  what a LlamaIndex query over nodes with that metadata looks up; the record may also hold the
+  node's ``excluded_llm_metadata_keys``, ``text_template``, ``metadata_template`` and
+  ``metadata_separator`` (a ``node.dict()`` is such a record). ``--for langchain`` warms ``text``
+  alone, as a LangChain ``Document``'s ``page_content``.
 
 Each chunk is stripped of surrounding whitespace, the form the integrations announce and look
 up chunks in. A chunk is a cache hit later only if a blend sees exactly the same text behind
@@ -25,8 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.prompting import chunk_texts, default_conditioning_prefix
@@ -69,10 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
     warm.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cuda if available, else cpu)")
     warm.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (default: the loader's choice)")
+    warm.add_argument("--for", dest="for_integration", choices=["llamaindex", "langchain"], default=None,
+                      help="warm what that integration renders: llamaindex renders a JSONL record's metadata "
+                           "into its chunk (also the default where a record has metadata), langchain its text "
+                           "alone; both look chunks up behind the same default prefix")
     behind = warm.add_mutually_exclusive_group()
-    behind.add_argument("--for", dest="for_integration", choices=["llamaindex", "langchain"], default=None,
-                        help="compute chunks behind what that integration's defaults look them up behind "
-                             "(both the same: the default)")
     behind.add_argument("--no-condition", action="store_true",
                         help="compute each chunk alone (for integrations set to condition_chunks=False)")
     behind.add_argument("--prefix", default=None, help="compute chunks behind this text instead")
@@ -115,24 +123,56 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_chunks(path: Path) -> Iterator[str]:
-    """Chunk texts of one file (see the module docstring for the formats)."""
+# Integrations that render chunks their own way register a function ``record -> text`` here
+# (llama-index-postprocessor-cacheblend: "llamaindex"); the core names no framework.
+RENDERERS_GROUP = "cacheblend_rag.chunk_renderers"
+
+
+def chunk_renderer(name: str) -> Callable[[dict[str, Any]], str]:
+    """The function the integration registered as ``name`` to render a JSONL record as its chunk text."""
+    found = [ep for ep in entry_points(group=RENDERERS_GROUP) if ep.name == name]
+    if not found:
+        raise ConfigError(f"records with metadata are warmed as {name} renders them, and no renderer {name!r} is "
+                          f"installed (entry points {RENDERERS_GROUP}): pip install llama-index-postprocessor-cacheblend "
+                          "for LlamaIndex's; or pass --for langchain to warm each record's text alone")
+    return found[0].load()
+
+
+def read_chunks(path: Path, target: str | None = None) -> Iterator[str]:
+    """Chunk texts of one file (see the module docstring for the formats), as ``target`` renders them:
+    ``"llamaindex"`` (also ``None`` for a record with metadata) or ``"langchain"`` (the text alone)."""
     if not path.is_file():
         raise ConfigError(f"{path} is not a file; pass .txt or .jsonl files of chunks")
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() != ".jsonl":
         yield from chunk_texts(text.replace("\r\n", "\n").split("\n\n"))
         return
+    render: Callable[[dict[str, Any]], str] | None = None
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        record = _record(path, number, line)
+        if target == "langchain" or target is None and not record.get("metadata"):
+            yield from chunk_texts([record["text"]])
+            continue
+        render = render or chunk_renderer("llamaindex")
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); write one JSON object per line") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ConfigError(f'{path}:{number} has no string "text" field; write {{"text": "..."}} per line')
-        yield from chunk_texts([record["text"]])
+            yield from chunk_texts([render(record)])
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise ConfigError(f"{path}:{number} is not a node LlamaIndex can render: {exc}") from None
+
+
+def _record(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); write one JSON object per line") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ConfigError(f'{path}:{number} has no string "text" field; write {{"text": "..."}} per line')
+    if not isinstance(record.get("metadata", {}), dict):
+        raise ConfigError(f'{path}:{number} has a "metadata" field that is not an object; write '
+                          '{"text": "...", "metadata": {"topic": "..."}}')
+    return record
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -155,7 +195,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     from cacheblend_rag.engine import CacheBlendEngine
     from cacheblend_rag.store.chunk_cache import ChunkCache
 
-    texts = [chunk for path in args.files for chunk in read_chunks(path)]
+    texts = [chunk for path in args.files for chunk in read_chunks(path, args.for_integration)]
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     if args.no_condition:
         prefix: Sequence[int] = ()

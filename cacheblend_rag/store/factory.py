@@ -78,13 +78,35 @@ def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | Non
         if name == "file":
             return DiskKVStore(text.removeprefix("file://"), size_limit=limit, **options)
         if name not in _SCHEMES:
-            raise ConfigError(f"store {text!r} has an unknown scheme {name!r}; known: "
-                              f"{', '.join(sorted({'file', *_SCHEMES, *_LAZY_SCHEMES}))}, or a directory path")
+            raise ConfigError(f"store {text!r} has an unknown scheme {name!r}; known: {_known_schemes()}, "
+                              "or a directory path")
         return _SCHEMES[name](text, size_limit=limit, **options)
     if text.startswith("tiered:"):
         path, _, shared = text.removeprefix("tiered:").partition(",")
-        tiers = [MemoryKVStore(), DiskKVStore(path, size_limit=limit, **options)]
-        if shared:
-            tiers.append(open_store(shared))
-        return TieredKVStore(*tiers)
-    return DiskKVStore(text.removeprefix("disk:"), size_limit=limit, **options)
+        behind = open_store(shared) if shared else None  # first: a bad spec there must leave no folder here
+        tiers = [MemoryKVStore(), DiskKVStore(_folder(path, text), size_limit=limit, **options)]
+        return TieredKVStore(*tiers, *([behind] if behind is not None else []))
+    return DiskKVStore(_folder(text.removeprefix("disk:"), text), size_limit=limit, **options)
+
+
+def _known_schemes() -> str:
+    return ", ".join(f"{name}://" for name in sorted({"file", *_SCHEMES, *_LAZY_SCHEMES}))
+
+
+def _folder(path: str, spec: str) -> str:
+    """``path`` as a disk store's folder, unless it looks like a URL gone wrong (``redis:/host``,
+    ``redis:localhost``, ``s3:/bucket``): a typo in a URL must not quietly become a folder named after it."""
+    # One letter before the colon is a Windows drive (C:/kv), not a scheme.
+    scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]+):", path)
+    if scheme is None:
+        return path
+    name = scheme.group(1).lower()
+    accepted = (f"accepted: a folder path, disk:PATH, memory, memory:SIZE, tiered:PATH[,SPEC] or a URL "
+                f"({_known_schemes()})")
+    if name in {"file", *_SCHEMES, *_LAZY_SCHEMES}:
+        rest = path[scheme.end():].lstrip("/")
+        raise ConfigError(f"store {spec!r} is a malformed {name} URL: write {name}://{rest}; {accepted}")
+    if path[scheme.end():].startswith("/"):
+        raise ConfigError(f"store {spec!r} looks like a URL with the unknown scheme {name!r}; {accepted}. "
+                          "A folder whose name holds a colon is given as ./NAME")
+    return path

@@ -20,8 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.models.loader import resolve_device
 from cacheblend_rag.serving import AnnouncedChunks, BlendService, chunk_cache_for
-from cacheblend_rag.testing import tiny_engine, tiny_model, tiny_tokenizer
+from cacheblend_rag.testing import save_tiny_model, tiny_engine
 
 CHUNKS = [
     "Marie Curie was a physicist and chemist who won two Nobel prizes in Warsaw and Paris.",
@@ -37,13 +38,7 @@ def engine():
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny Llama saved as a model folder, as a user's own fine-tune would be."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = tiny_tokenizer()
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 # ------------------------------------------------------------------ 1. settings are never dropped
@@ -52,7 +47,8 @@ def test_hugging_face_spellings_are_honoured(cls, model_folder):
     llm = cls(model_name=str(model_folder), device_map="auto", torch_dtype="float32",
               model_kwargs={"attn_implementation": "eager"},
               generate_kwargs={"do_sample": False, "max_new_tokens": 7, "repetition_penalty": 1.2})
-    assert llm.model == str(model_folder) and llm.device is None and llm.dtype == "float32"
+    # device_map='auto' is the one device it maps to here (tests/serving/test_first_hour.py says how it is told)
+    assert llm.model == str(model_folder) and llm.device == str(resolve_device(None)) and llm.dtype == "float32"
     assert llm.engine.model.config._attn_implementation == "eager"
     assert llm.temperature == 0.0 and llm.repetition_penalty == 1.2
     assert getattr(llm, llm._max_tokens_field) == 7

@@ -188,3 +188,28 @@ def test_open_store_specs(tmp_path):
         open_store("memory:lots")
     with pytest.raises(ConfigError, match="max_bytes"):
         MemoryKVStore(max_bytes=0)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("redis:/localhost:6379", r"malformed redis URL: write redis://localhost:6379"),
+    ("redis:localhost:6379", r"malformed redis URL: write redis://localhost:6379"),
+    ("rediss:/cache.internal:6380/0", r"malformed rediss URL"),
+    ("file:/var/kv", r"malformed file URL: write file://var/kv"),
+    ("s3:/bucket/kv", r"unknown scheme 's3'"),
+    ("disk:http:/kv", r"unknown scheme 'http'"),
+    ("tiered:redis:/localhost:6379", r"malformed redis URL"),
+    ("tiered:kv,redis:/localhost", r"malformed redis URL"),
+])
+def test_a_url_gone_wrong_is_an_error_not_a_folder(tmp_path, monkeypatch, spec, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=message) as caught:
+        open_store(spec)
+    assert "accepted: a folder path" in str(caught.value) and "redis://" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # no folder named after the typo
+
+
+def test_folder_names_that_only_resemble_urls_still_open(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for spec in ("./redis:/kv", "notes:2026", "C:/kv"):
+        with open_store(spec) as store:
+            assert isinstance(store, DiskKVStore)

@@ -37,6 +37,20 @@ def test_bad_jsonl_says_which_line_is_wrong(tmp_path, line, message):
         list(read_chunks(tmp_path / "missing.txt"))
 
 
+def test_metadata_needs_the_renderer_of_the_framework_that_renders_it(tmp_path, monkeypatch):
+    import cacheblend_rag.store.commands as commands
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "Paris.", "metadata": {"topic": "France"}}) + "\n")
+    monkeypatch.setattr(commands, "entry_points", lambda group: [])  # no integration installed
+    with pytest.raises(ConfigError, match=r"pip install llama-index-postprocessor-cacheblend.*--for langchain"):
+        list(read_chunks(corpus))
+    assert list(read_chunks(corpus, "langchain")) == ["Paris."]  # a Document's page_content
+    corpus.write_text(json.dumps({"text": "Paris.", "metadata": ["France"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"c.jsonl:1 has a \"metadata\" field that is not an object"):
+        list(read_chunks(corpus))
+
+
 def test_warm_then_stats_then_clear(tmp_path, capsys, tiny_model_cli):
     store = tmp_path / "kv"
     (tmp_path / "docs.txt").write_text("Paris is the capital of France.\n\nMarie Curie was a physicist.\n")

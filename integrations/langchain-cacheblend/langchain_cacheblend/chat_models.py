@@ -201,10 +201,13 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         """Stop looking for any announced chunk text (cached KV stays in the chunk cache)."""
         self.service.announced.clear()
 
-    def warm(self, items: Iterable[str | Document], *, show_progress: bool = True) -> WarmSummary:
-        """Precompute the KV of chunks not yet cached, and announce them all."""
+    def warm(self, items: Iterable[str | Document], *, show_progress: bool = True,
+             for_request: bool = False) -> WarmSummary:
+        """Precompute the KV of chunks not yet cached, and announce them all. ``for_request`` (the
+        retriever's at query time): the coming call's stats count the chunks computed here as
+        ``precomputed_for_request`` rather than as store hits."""
         texts = _texts_of(items)
-        summary = self.service.warm(texts, show_progress=show_progress)
+        summary = self.precompute_texts(texts, show_progress=show_progress, for_request=for_request)
         self.announce_chunks(texts)
         return summary
 
@@ -275,7 +278,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             total_tokens=result.prompt_tokens + result.completion_tokens,
             input_token_details=InputTokenDetails(cache_read=result.stats.reused_tokens),
         )
-        metadata = {"model_name": self.model, "model_provider": "cacheblend", **served.stats()}
+        metadata = {"model_name": self.model, "model_provider": "cacheblend", **self.stats_of(served)}
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"

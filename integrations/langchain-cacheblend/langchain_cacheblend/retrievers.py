@@ -55,7 +55,7 @@ class CacheBlendRetriever(BaseRetriever):
     ) -> list[Document]:
         k, kwargs = self._k(kwargs)
         documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)[:k]
-        self.llm.warm(documents, show_progress=self.show_progress)
+        self.llm.warm(documents, show_progress=self.show_progress, for_request=True)
         return documents
 
     async def _aget_relevant_documents(
@@ -65,7 +65,7 @@ class CacheBlendRetriever(BaseRetriever):
         documents = (await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()},
                                                   **kwargs))[:k]
         # Precomputing is model work: keep it off the event loop.
-        await run_in_thread(self.llm.warm, documents, show_progress=self.show_progress)
+        await run_in_thread(self.llm.warm, documents, show_progress=self.show_progress, for_request=True)
         return documents
 
     def _k(self, kwargs: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:

