@@ -12,7 +12,7 @@ from llama_index.llms.cacheblend import CacheBlendLLM
 PROMPT = "Repeat: 🍰😀 日本"
 CUTS = range(1, 13)
 
-pytestmark = [pytest.mark.slow, pytest.mark.xfail(reason="fixed by the scheduler's decode", strict=False)]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
