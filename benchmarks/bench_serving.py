@@ -224,14 +224,16 @@ def plot(document: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
-    for method in METHODS:
+    for method, color in zip(METHODS, ("tab:blue", "tab:orange", "tab:green")):
         rows = [r for r in document["open_loop"] if r["method"] == method]
         if rows:
-            left.plot([r["rate"] for r in rows], [r["ttft_p50_s"] for r in rows], marker="o", label=f"{method} p50")
+            left.plot([r["rate"] for r in rows], [r["ttft_p50_s"] for r in rows], marker="o", color=color,
+                      label=f"{method} p50")
             left.plot([r["rate"] for r in rows], [r["ttft_p95_s"] for r in rows], marker="x", linestyle="--",
-                      label=f"{method} p95")
+                      color=color, label=f"{method} p95")
         rows = [r for r in document["closed_loop"] if r["method"] == method]
-        right.plot([r["clients"] for r in rows], [r["requests_per_s"] for r in rows], marker="o", label=method)
+        right.plot([r["clients"] for r in rows], [r["requests_per_s"] for r in rows], marker="o", color=color,
+                   label=method)
     left.set(xlabel="request rate (requests/s, Poisson arrivals)", ylabel="TTFT (s)", yscale="log",
              title="TTFT against request rate")
     right.set(xlabel="concurrent clients (closed loop)", ylabel="throughput (requests/s)", xscale="log",
