@@ -392,6 +392,9 @@ class ChunkCache:
     def _warn(self, what: str, exc: BaseException) -> None:
         # Keyed by the kind of failure only: a server that went away fails reads and writes
         # alike, and that is one event for the user.
+        if getattr(exc, "warned", False):  # the store warned when this began
+            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
+            return
         kind = type(exc).__name__
         now = time.monotonic()
         if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
