@@ -228,7 +228,11 @@ class CacheBlendEngine:
             result = run.run(started)
         finally:
             source.close()
-        result.stats.cache_hits, result.stats.cache_misses = hits, misses
+        # A chunk is a hit only if its stored KV was used: one recomputed after a failed load is not.
+        stats = result.stats
+        stats.load_failures = source.load_failures
+        stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses
+        stats.loaded_tokens = stats.cached_tokens - source.computed_tokens
         return result
 
     def _fall_back(self, segs: list[Segment], started: float, reason: str | None) -> BlendResult:

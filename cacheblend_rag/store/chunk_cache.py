@@ -261,16 +261,20 @@ class ChunkCache:
             plans[i] = PlannedChunk(segments[i], keys[i], fresh=chunk)
             self._submit_write(keys[i], chunk)
         hits, misses = len(segments) - len(missing), len(missing)
-        self._submit(self._record, hits=hits, misses=misses)
         planned = [p for p in plans if p is not None]
         if not any(p.manifest is not None for p in planned):
-            return InMemoryKVSource(fresh, engine.device, engine.dtype), hits, misses
+            self._submit(self._record, misses=misses)
+            return InMemoryKVSource(fresh, engine.device, engine.dtype, computed=True), hits, misses
         if first_layer is None:
             first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
+
+        def count(load_failures: int) -> None:  # once the blend is done: only then is a hit known to be one
+            self._submit(self._record, hits=hits - load_failures, misses=misses, load_failures=load_failures)
+
         source = PipelinedKVSource(
             self.store, engine, planned, self.rules, prefetch=self.prefetch,
             first_layer=first_layer,
-            on_damaged=self._on_damaged,
+            on_damaged=self._on_damaged, on_done=count,
         )
         return source, hits, misses
 
@@ -458,8 +462,13 @@ class ChunkCache:
 
     # --------------------------------------------------------------- admin
     def stats(self) -> StoreStats:
+        """The store's stats once background writes are done; never raises (``available=False`` and
+        ``error`` say that the store could not be asked)."""
         self.flush()
-        return self.store.stats()
+        try:
+            return self.store.stats()
+        except (StoreError, OSError) as exc:
+            return StoreStats(available=False, error=str(exc), details={"store": self.store.describe()})
 
     def close(self) -> None:
         """Finish background writes; close the store if this cache opened it from a spec."""

@@ -54,6 +54,8 @@ class PlannedChunk:
 
 # Called with (chunk, what was wrong, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
 DamageHandler = Callable[[PlannedChunk, CorruptEntryError, ChunkKV], None]
+# Called once when the blend is done, with the number of stored chunks that had to be recomputed.
+DoneHandler = Callable[[int], None]
 
 
 class PipelinedKVSource(CachedKVSource):
@@ -75,6 +77,7 @@ class PipelinedKVSource(CachedKVSource):
         first_layer: int = 0,
         depth: int = 1,
         on_damaged: DamageHandler | None = None,
+        on_done: DoneHandler | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -83,6 +86,7 @@ class PipelinedKVSource(CachedKVSource):
         self.prefetch = prefetch
         self.depth = max(1, depth)
         self.on_damaged = on_damaged
+        self.on_done = on_done
         self.device = torch.device(engine.device)
         self.dtype = engine.dtype
         self.num_layers = engine.num_layers
@@ -141,7 +145,18 @@ class PipelinedKVSource(CachedKVSource):
         return [c.fresh is not None or codec_for_name(c.manifest.codec, c.manifest.group).exact_for(self.dtype)
                 for c in self.chunks]
 
+    @property
+    def load_failures(self) -> int:
+        return sum(c.manifest is not None and c.fresh is not None for c in self.chunks)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(len(c.segment.token_ids) for c in self.chunks if c.fresh is not None)
+
     def close(self) -> None:
+        if self.on_done is not None:
+            done, self.on_done = self.on_done, None
+            done(self.load_failures)
         if self._executor is not None:
             for future in self._futures.values():
                 future.cancel()
