@@ -22,6 +22,7 @@ class CachedKVSource(ABC):
     """Per-layer K (before RoPE) and V of the cached tokens, ``[kv_heads, n_cached, head_dim]``."""
 
     wait_seconds: float = 0.0  # time the engine spent blocked on this source
+    recompute_seconds: float = 0.0  # time spent computing chunks whose stored copy failed mid-read
 
     @property
     def load_failures(self) -> int:
@@ -95,6 +96,10 @@ class InterleavedKVSource(CachedKVSource):
     @property
     def wait_seconds(self) -> float:  # type: ignore[override]
         return sum(p.wait_seconds for p, _ in self.parts)
+
+    @property
+    def recompute_seconds(self) -> float:  # type: ignore[override]
+        return sum(p.recompute_seconds for p, _ in self.parts)
 
     def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         split = [source.layer_parts(index, part_lengths) for source, part_lengths in self.parts]
