@@ -151,8 +151,8 @@ class ChunkCache:
             self._warn("read", exc)
             return False
 
-    def _ids(self, item: str | Sequence[int]) -> tuple[int, ...]:
-        return tuple(self.engine.tokenize(item)) if isinstance(item, str) else tuple(int(t) for t in item)
+    def _ids(self, item: str | Sequence[int], what: str = "the chunk") -> tuple[int, ...]:
+        return tuple(self.engine.tokenize(item, what=what)) if isinstance(item, str) else tuple(int(t) for t in item)
 
     # ---------------------------------------------------------------- reads
     def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
@@ -424,8 +424,8 @@ class ChunkCache:
         fingerprint = self.engine.fingerprint  # once: it checks the weights
         todo: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
-        for item in items:
-            ids = self._ids(item)
+        for index, item in enumerate(items):
+            ids = self._ids(item, f"chunk {index}")
             if not ids:
                 continue
             if ids in seen or self.contains(ids, prefix, fingerprint=fingerprint):
