@@ -25,6 +25,20 @@ def _prompts(engine):
     return [*map(StoredSegment, ids), question], [*engine.prefill_chunks(ids), question]
 
 
+def _layers_flushed_after_the_manifests(monkeypatch, how_many: int | None = None) -> None:
+    """As FLUSHALL (or eviction) would: the layers of the first ``how_many`` chunks go right after
+    their manifests were read."""
+    real = MemoryKVStore.get_manifests
+
+    def flushed_after_reading(self, keys):
+        manifests = real(self, keys)
+        for key in keys[:how_many]:
+            self._entries[key].layers.clear()
+        return manifests
+
+    monkeypatch.setattr(MemoryKVStore, "get_manifests", flushed_after_reading)
+
+
 def test_a_store_failing_mid_blend_counts_load_failures_not_hits(engine, tmp_path, monkeypatch, capsys):
     store = DiskKVStore(tmp_path / "kv")
     cache = ChunkCache(engine, store, storage_dtype="float32")
@@ -59,15 +73,7 @@ def test_layers_gone_between_the_manifest_and_the_layer_reads_are_load_failures(
     cache = ChunkCache(engine, store, storage_dtype="float32")
     cache.warm(TEXTS)
     stored, in_memory = _prompts(engine)
-    real = MemoryKVStore.get_manifests
-
-    def flushed_after_reading(self, keys):
-        manifests = real(self, keys)
-        for key in keys[:2]:  # as FLUSHALL (or eviction) would, right after the manifests were read
-            self._entries[key].layers.clear()
-        return manifests
-
-    monkeypatch.setattr(MemoryKVStore, "get_manifests", flushed_after_reading)
+    _layers_flushed_after_the_manifests(monkeypatch, 2)
     result = engine.blend(stored, store=cache, config=CONFIG)
     cache.flush()
     torch.testing.assert_close(result.logits, engine.blend(in_memory, config=CONFIG).logits, rtol=0, atol=1e-5)
@@ -105,14 +111,6 @@ def test_chunks_whose_layers_vanish_mid_read_are_recomputed_in_one_batch(engine,
     cache = ChunkCache(engine, store, storage_dtype="float32")
     cache.warm(TEXTS)
     stored, in_memory = _prompts(engine)
-    real = MemoryKVStore.get_manifests
-
-    def flushed_after_reading(self, keys):
-        manifests = real(self, keys)
-        for key in keys:
-            self._entries[key].layers.clear()
-        return manifests
-
     batches = []
     prefill_chunks = type(engine).prefill_chunks
 
@@ -120,7 +118,7 @@ def test_chunks_whose_layers_vanish_mid_read_are_recomputed_in_one_batch(engine,
         batches.append(len(chunks))
         return prefill_chunks(self, chunks, **kwargs)
 
-    monkeypatch.setattr(MemoryKVStore, "get_manifests", flushed_after_reading)
+    _layers_flushed_after_the_manifests(monkeypatch)
     monkeypatch.setattr(type(engine), "prefill_chunks", counted)
     result = engine.blend(stored, store=cache, config=CONFIG)
     cache.flush()
