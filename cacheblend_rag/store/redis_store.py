@@ -178,7 +178,8 @@ class RedisKVStore(KVStore):
     without it, entries stay until deleted or evicted by the server's ``maxmemory-policy``.
     ``read_timeout`` bounds each read (then the request computes fresh), ``socket_timeout`` each write
     or admin command; while the server is unavailable a background probe tries it every
-    ``probe_interval`` seconds (``max_backoff`` is its former name). ``check_connection=False`` starts without reaching the
+    ``probe_interval`` seconds (``max_backoff`` is its former name). ``check_connection=False``
+    starts without reaching the
     server (a replica may start while Redis is down; calls fail over until it is up).
 
     ``cluster=True`` talks to a Redis Cluster through any of its nodes (a cluster client must
