@@ -37,6 +37,7 @@ from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 from cacheblend_rag.store.codec import codec_named
 from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
+import fault_trial_env  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
 from cacheblend_rag.store.tampering import (
     damage_index,
     delete_as_another_program,
@@ -191,6 +192,11 @@ def _value_faults() -> dict[str, Fault]:
         delete_as_another_program(p, _layer_name(p, t.key(1), 2))
         return "quiet"  # a missing layer is an eviction, not damage
 
+    def evicted_layers(t, p):
+        for index in (5, 17, 29):  # some layers of a chunk, as an eviction of single values would
+            delete_as_another_program(p, _layer_name(p, t.key(2), index))
+        return "quiet"
+
     return {
         "bit flip in a layer's payload": payload_flip,
         "bit flip in a layer's header": header_flip,
@@ -208,6 +214,7 @@ def _value_faults() -> dict[str, Fault]:
         "NaN layer, valid checksum": nan_layer,
         "infinite layer, valid checksum": inf_layer,
         "a layer's row deleted": deleted_layer_row,
+        "three layers of a chunk evicted": evicted_layers,
     }
 
 
@@ -255,10 +262,14 @@ def _index_faults() -> dict[str, Fault]:
 
 
 # --------------------------------------------------------------------------- running
-def _answer(engine: CacheBlendEngine, segments: list[Any], cache: ChunkCache) -> tuple[torch.Tensor, str, Any]:
+def _answer(engine: CacheBlendEngine, segments: list[Any], cache: ChunkCache, *, blend_only: bool = False
+            ) -> tuple[torch.Tensor, str | None, Any]:
+    """Logits of a blend first (what the store held, before any write-back), then the greedy answer."""
+    blended = engine.blend(segments, config=CONFIG, store=cache)
+    if blend_only:
+        return blended.logits, None, blended.stats
     result = engine.generate(segments, config=CONFIG, store=cache, max_new_tokens=8)
-    logits = engine.blend(segments, config=CONFIG, store=cache).logits
-    return logits, result.text, result.stats
+    return blended.logits, result.text, blended.stats
 
 
 def _run_store_fault(trial: Trial, name: str, fault: Fault) -> dict[str, Any]:
@@ -355,20 +366,31 @@ def _eviction_faults(trial: Trial) -> list[dict[str, Any]]:
     return rows
 
 
-def _passages(data: Path, engine: CacheBlendEngine) -> list[list[int]]:
+def _texts(data: Path) -> list[str]:
     if data.exists():
-        texts = [f"{c['title']}\n{c['text']}\n" for c in json.loads(data.read_text())[0]["ctxs"][:4]]
-    else:
-        from cacheblend_rag.data import load_demo_corpus
+        return [f"{c['title']}\n{c['text']}\n" for c in json.loads(data.read_text())[0]["ctxs"][:4]]
+    from cacheblend_rag.data import load_demo_corpus
 
-        texts = [f"{doc.title}\n{doc.text}\n" for doc in load_demo_corpus()[:4]]
-    return [engine.tokenize(t)[:120] for t in texts]
+    return [f"{doc.title}\n{doc.text}\n" for doc in load_demo_corpus()[:4]]
+
+
+def _questions(data: Path) -> list[str]:
+    if data.exists():
+        return [q["question"] for q in json.loads(data.read_text())[:4]]
+    return ["Who is named first?", "Where is it?", "When was it?", "What is it?"]
+
+
+def _passages(data: Path, engine: CacheBlendEngine) -> list[list[int]]:
+    return [engine.tokenize(t)[:120] for t in _texts(data)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["store", "file systems", "redis", "load"],
+                        help="groups to leave out (store: the damaged-store, eviction and weight faults; file "
+                             "systems need root, redis and load need redis-server)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
@@ -391,15 +413,24 @@ def main(argv: list[str] | None = None) -> int:
               "index and files": _index_faults()}
     results: dict[str, list[dict[str, Any]]] = {}
     with tqdm(total=sum(map(len, groups.values())) + 4, desc="faults") as progress:
-        for group, faults in groups.items():
+        for group, faults in groups.items() if "store" not in args.skip else ():
             results[group] = []
             for name, fault in faults.items():
                 results[group].append(_run_store_fault(trial, name, fault))
                 progress.update()
-        results["eviction"] = _eviction_faults(trial)
-        progress.update(2)
-        results["weights"] = _run_weight_faults(trial)
-        progress.update(2)
+        if "store" not in args.skip:
+            results["eviction"] = _eviction_faults(trial)
+            progress.update(2)
+            results["weights"] = _run_weight_faults(trial)
+            progress.update(2)
+        answer = lambda cache, blend_only=False: _answer(engine, segments, cache, blend_only=blend_only)  # noqa: E731
+        if "file systems" not in args.skip:
+            results["file systems"] = fault_trial_env.file_system_faults(
+                trial, answer, lambda path: _cache(engine, path), TOLERANCE)
+        if "redis" not in args.skip:
+            results["redis"] = fault_trial_env.redis_faults(trial, answer, TOLERANCE)
+        if "load" not in args.skip:
+            results["load"] = fault_trial_env.load_case(trial, _texts(args.data)[:4], _questions(args.data))
     intact = victim.read_text() == "precious"
     shutil.rmtree(root, ignore_errors=True)
 
@@ -420,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| fault | survived | note |\n|---|---|---|")
     for group, rows in results.items():
         for r in rows:
-            note = r.get("error") or ", ".join(f"{k}={r[k]}" for k in ("corrupt", "evictions", "reused") if k in r)
+            keys = ("corrupt", "evictions", "reused", "hits", "load_failures", "entries", "writes_skipped",
+                    "files_left_by_failed_writes", "healthy_p95_s", "cold_p95_s", "stopped_p95_s", "bound_s", "hits_resumed_after_s",
+                    "seconds", "requests", "entries_after")
+            note = r.get("error") or ", ".join(f"{k}={r[k]}" for k in keys if k in r)
             print(f"| {group}: {r['fault']} | {'yes' if r['survived'] else '**no**'} | {note} |")
     return 0
 

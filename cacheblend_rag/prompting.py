@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
+from cacheblend_rag.engine.text import checked_text
 
 
 def chunk_text(text: str) -> str:
@@ -164,10 +165,11 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    # A lone surrogate: an error naming where it is in the prompt, not the tokenizer's TypeError.
+    prompt = checked_text("".join(p.text for p in split.pieces), "the prompt")
     fallback = to_segments(split, tokenize, prefix_ids)
     if not split.has_chunks or not getattr(tokenizer, "is_fast", False):
         return fallback
-    prompt = "".join(p.text for p in split.pieces)
     encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
     starts = [start for start, _ in offsets]

@@ -40,6 +40,7 @@ from cacheblend_rag.engine.segments import (
     as_token_ids,
 )
 from cacheblend_rag.engine.selection import SelectionStrategy, build_strategy
+from cacheblend_rag.engine.text import checked_text
 from cacheblend_rag.errors import (
     BlendInputError,
     ChunkMismatchError,
@@ -146,11 +147,12 @@ class CacheBlendEngine:
     def context_window(self) -> int:
         return int(getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", 2048))
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` with no special tokens added (segments are tokenized on their own)."""
+    def tokenize(self, text: str, *, what: str = "the text") -> list[int]:
+        """Token ids of ``text`` with no special tokens added (segments are tokenized on their own).
+        Text that is not valid Unicode is a :class:`BlendInputError` naming ``what`` and the position."""
         if self.tokenizer is None:
             raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(checked_text(text, what), add_special_tokens=False)["input_ids"])
 
     def check_vocabulary(self, ids: Sequence[int], what: str) -> Sequence[int]:
         """``ids``, unless one lies outside the model's vocabulary (an error that names it)."""
@@ -228,7 +230,11 @@ class CacheBlendEngine:
             result = run.run(started)
         finally:
             source.close()
-        result.stats.cache_hits, result.stats.cache_misses = hits, misses
+        # A chunk is a hit only if its stored KV was used: one recomputed after a failed load is not.
+        stats = result.stats
+        stats.load_failures = source.load_failures
+        stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses
+        stats.loaded_tokens = stats.cached_tokens - source.computed_tokens
         return result
 
     def _fall_back(self, segs: list[Segment], started: float, reason: str | None) -> BlendResult:

@@ -230,6 +230,8 @@ class BlendRun:
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         self.timings["load_wait"] = getattr(self.source, "wait_seconds", 0.0)
+        # Chunks whose stored copy failed mid-read are computed in full: a slow request says why.
+        self.timings["load_recompute"] = getattr(self.source, "recompute_seconds", 0.0)
         self.timings["total"] = time.perf_counter() - started
         recomputed = 0 if self.selected is None else int(self.selected.numel())
         n_cached_total = int(layout.all_cached_pos.numel())

@@ -22,6 +22,18 @@ class CachedKVSource(ABC):
     """Per-layer K (before RoPE) and V of the cached tokens, ``[kv_heads, n_cached, head_dim]``."""
 
     wait_seconds: float = 0.0  # time the engine spent blocked on this source
+    recompute_seconds: float = 0.0  # time spent computing chunks whose stored copy failed mid-read
+
+    @property
+    def load_failures(self) -> int:
+        """Chunks found in a store whose KV could not be read whole (the store failed, a layer was
+        gone or damaged) and were computed afresh instead: not hits, whatever the manifest said."""
+        return 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens of the chunks whose KV was computed for this request (misses and load failures)."""
+        return 0
 
     @abstractmethod
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -41,10 +53,18 @@ class CachedKVSource(ABC):
 
 
 class InMemoryKVSource(CachedKVSource):
-    def __init__(self, chunks: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype) -> None:
+    """Chunks at hand: passed in (``computed=False``) or just computed for this request."""
+
+    def __init__(self, chunks: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype, *,
+                 computed: bool = False) -> None:
         self.chunks = list(chunks)
         self.device = device
         self.dtype = dtype
+        self.computed = computed
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(len(c) for c in self.chunks) if self.computed else 0
 
     def lossless(self) -> list[bool]:
         return [c.keys[0].dtype == self.dtype or c.keys[0].dtype == torch.float32 for c in self.chunks]
@@ -77,6 +97,10 @@ class InterleavedKVSource(CachedKVSource):
     def wait_seconds(self) -> float:  # type: ignore[override]
         return sum(p.wait_seconds for p, _ in self.parts)
 
+    @property
+    def recompute_seconds(self) -> float:  # type: ignore[override]
+        return sum(p.recompute_seconds for p, _ in self.parts)
+
     def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         split = [source.layer_parts(index, part_lengths) for source, part_lengths in self.parts]
         return [split[p][c] for p, c in self.order]
@@ -84,6 +108,14 @@ class InterleavedKVSource(CachedKVSource):
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.layer_parts(index, [])
         return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    @property
+    def load_failures(self) -> int:
+        return sum(p.load_failures for p, _ in self.parts)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(p.computed_tokens for p, _ in self.parts)
 
     def lossless(self) -> list[bool]:
         flags = [source.lossless() for source, _ in self.parts]

@@ -18,13 +18,17 @@ class BlendStats:
     mode: str  # "blend", "full_reuse" or "full_prefill"
     total_tokens: int
     cached_tokens: int  # tokens that came with cached KV
-    reused_tokens: int  # cached tokens whose KV was kept as is
+    # cached tokens whose chunk KV was kept as is (loaded, or computed for this request on a miss:
+    # loaded_tokens says how many came from the store)
+    reused_tokens: int
     recomputed_tokens: int  # cached tokens recomputed from the check layer on
     fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
     exact_tokens: int = 0  # cached tokens that form an exact prefix (reused as is, outside the budget)
     selected_positions: list[int] = field(default_factory=list)
-    cache_hits: int = 0
-    cache_misses: int = 0
+    cache_hits: int = 0  # chunks whose stored KV was used
+    cache_misses: int = 0  # chunks with no valid entry, computed for this request
+    load_failures: int = 0  # chunks with an entry that could not be read whole, computed instead
+    loaded_tokens: int = 0  # cached tokens whose KV came from the store (or was passed in), not computed here
     timings: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None
 
@@ -43,6 +47,8 @@ class BlendStats:
             "exact_tokens": self.exact_tokens,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
+            "load_failures": self.load_failures,
+            "loaded_tokens": self.loaded_tokens,
             "timings": dict(self.timings),
             "fallback_reason": self.fallback_reason,
         }

@@ -172,6 +172,7 @@ class CacheBlendSettings(BaseModel):
         if values.get("model") is None:
             engine = values.get("engine")
             values["model"] = engine.model_name if engine is not None else DEFAULT_MODEL_NAME
+        _checked_as_given(values)
         return values
 
     @field_validator("store_path")
@@ -274,6 +275,18 @@ class CacheBlendSettings(BaseModel):
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+
+
+def _checked_as_given(values: dict[str, Any]) -> None:
+    """Check the BlendConfig and sampling fields as the user wrote them, before pydantic coerces them
+    (``recompute_ratio="0.15"`` would become 0.15): one validation, BlendConfig's and
+    GenerationConfig's, whatever the entry point. Raises their ConfigError (a ValueError)."""
+    blend = {name: values[name] for name in BLEND_FIELDS if name in values}
+    if blend:
+        BlendConfig(**blend)
+    sampling = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
+    if sampling:
+        GenerationConfig(max_new_tokens=1, **sampling)
 _GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample",
                     "seed"}
 

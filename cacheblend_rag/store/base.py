@@ -24,20 +24,30 @@ from typing import Any, Iterator, Sequence
 
 from cacheblend_rag.store.errors import CorruptEntryError
 
-COUNTERS = ("hits", "misses", "evictions", "corrupt")
+COUNTERS = ("hits", "misses", "load_failures", "evictions", "corrupt")
 
 
 @dataclass
 class StoreStats:
-    """Chunk-level counts. ``hits``/``misses`` count chunks asked for by blends;
-    ``corrupt`` counts entries found damaged (and deleted); ``bytes`` is the space used."""
+    """Chunk-level counts. ``hits`` count chunks whose stored KV a blend used; ``misses`` chunks it
+    found no valid entry of; ``load_failures`` chunks whose entry was found but could not be read
+    whole (the store failed, a layer was evicted or damaged), so they were recomputed; ``corrupt``
+    counts entries found damaged (and deleted); ``bytes`` is the space used.
+
+    ``available`` is false when the store could not be asked (``error`` says why; the counts are then
+    what this process knows). ``writes_skipped`` counts chunk writes this process skipped because
+    the store takes no writes for now (a full disk, a read-only file system)."""
 
     entries: int = 0
     bytes: int = 0
     hits: int = 0
     misses: int = 0
+    load_failures: int = 0
     evictions: int = 0
     corrupt: int = 0
+    available: bool = True
+    error: str | None = None
+    writes_skipped: int = 0
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,7 +125,7 @@ class KVStore(ABC):
     max_value_bytes: int | None = None
 
     def record(self, **counts: int) -> None:
-        """Add to the ``hits``/``misses``/``evictions``/``corrupt`` counters (persistent backends persist them)."""
+        """Add to the counters named in ``COUNTERS`` (persistent backends persist them)."""
         unknown = set(counts) - set(COUNTERS)
         if unknown:
             raise ValueError(f"unknown counters {sorted(unknown)}; known counters are {COUNTERS}")

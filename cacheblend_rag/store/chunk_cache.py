@@ -167,8 +167,8 @@ class ChunkCache:
             self._warn("read", exc)
             return False
 
-    def _ids(self, item: str | Sequence[int]) -> tuple[int, ...]:
-        return tuple(self.engine.tokenize(item)) if isinstance(item, str) else tuple(int(t) for t in item)
+    def _ids(self, item: str | Sequence[int], what: str = "the chunk") -> tuple[int, ...]:
+        return tuple(self.engine.tokenize(item, what=what)) if isinstance(item, str) else tuple(int(t) for t in item)
 
     # ---------------------------------------------------------------- reads
     def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
@@ -277,16 +277,20 @@ class ChunkCache:
             plans[i] = PlannedChunk(segments[i], keys[i], fresh=chunk)
             self._submit_write(keys[i], chunk)
         hits, misses = len(segments) - len(missing), len(missing)
-        self._submit(self._record, hits=hits, misses=misses)
         planned = [p for p in plans if p is not None]
         if not any(p.manifest is not None for p in planned):
-            return InMemoryKVSource(fresh, engine.device, engine.dtype), hits, misses
+            self._submit(self._record, misses=misses)
+            return InMemoryKVSource(fresh, engine.device, engine.dtype, computed=True), hits, misses
         if first_layer is None:
             first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
+
+        def count(load_failures: int) -> None:  # once the blend is done: only then is a hit known to be one
+            self._submit(self._record, hits=hits - load_failures, misses=misses, load_failures=load_failures)
+
         source = PipelinedKVSource(
             self.store, engine, planned, self.rules, prefetch=self.prefetch,
             first_layer=first_layer,
-            on_damaged=self._on_damaged,
+            on_damaged=self._on_damaged, on_done=count,
         )
         return source, hits, misses
 
@@ -408,6 +412,9 @@ class ChunkCache:
     def _warn(self, what: str, exc: BaseException) -> None:
         # Keyed by the kind of failure only: a server that went away fails reads and writes
         # alike, and that is one event for the user.
+        if getattr(exc, "warned", False):  # the store warned when this began
+            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
+            return
         kind = type(exc).__name__
         now = time.monotonic()
         if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
@@ -447,8 +454,8 @@ class ChunkCache:
         fingerprint = self.engine.fingerprint  # once: it checks the weights
         todo: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
-        for item in items:
-            ids = self._ids(item)
+        for index, item in enumerate(items):
+            ids = self._ids(item, f"chunk {index}")
             if not ids:
                 continue
             if ids in seen or self.contains(ids, prefix, fingerprint=fingerprint):
@@ -486,8 +493,13 @@ class ChunkCache:
 
     # --------------------------------------------------------------- admin
     def stats(self) -> StoreStats:
+        """The store's stats once background writes are done; never raises (``available=False`` and
+        ``error`` say that the store could not be asked)."""
         self.flush()
-        return self.store.stats()
+        try:
+            return self.store.stats()
+        except (StoreError, OSError) as exc:
+            return StoreStats(available=False, error=str(exc), details={"store": self.store.describe()})
 
     def close(self) -> None:
         """Finish background writes; close the store if this cache opened it from a spec."""

@@ -98,15 +98,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _open(args) as store:
-        stats = store.stats()
-        by_codec = inventory(store)
+        stats = store.stats()  # never raises: a store that cannot be asked says so
+        by_codec = inventory(store) if stats.available else {}
     if args.json:
         codecs = {label: share.to_dict() for label, share in by_codec.items()}
         print(json.dumps({"store": store.describe(), **stats.to_dict(), "by_codec": codecs}, indent=2))
         return 0
     print(store.describe())
-    for name in ("entries", "bytes", "hits", "misses", "evictions", "corrupt"):
-        print(f"  {name:<10} {getattr(stats, name):>14,}")
+    if not stats.available:
+        print(f"  unavailable: {stats.error} (the counts below are this process's own)")
+    for name in ("entries", "bytes", "hits", "misses", "load_failures", "evictions", "corrupt", "writes_skipped"):
+        print(f"  {name:<14} {getattr(stats, name):>14,}")
+    if stats.details.get("writes", "ok") != "ok":
+        print(f"  writes         {stats.details['writes']}")
     if by_codec:
         print(f"  {'codec':<22} {'entries':>9} {'tokens':>12} {'bytes':>15} {'bytes/token':>12}")
         for label, share in by_codec.items():

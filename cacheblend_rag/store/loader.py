@@ -54,6 +54,8 @@ class PlannedChunk:
 
 # Called with (chunk, what was wrong, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
 DamageHandler = Callable[[PlannedChunk, CorruptEntryError, ChunkKV], None]
+# Called once when the blend is done, with the number of stored chunks that had to be recomputed.
+DoneHandler = Callable[[int], None]
 
 
 class PipelinedKVSource(CachedKVSource):
@@ -75,6 +77,7 @@ class PipelinedKVSource(CachedKVSource):
         first_layer: int = 0,
         depth: int = 1,
         on_damaged: DamageHandler | None = None,
+        on_done: DoneHandler | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -83,10 +86,12 @@ class PipelinedKVSource(CachedKVSource):
         self.prefetch = prefetch
         self.depth = max(1, depth)
         self.on_damaged = on_damaged
+        self.on_done = on_done
         self.device = torch.device(engine.device)
         self.dtype = engine.dtype
         self.num_layers = engine.num_layers
         self.wait_seconds = 0.0
+        self.recompute_seconds = 0.0  # spent computing chunks whose stored copy could not be read
         self.bytes_read = 0
         self._futures: dict[int, Future] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -141,7 +146,18 @@ class PipelinedKVSource(CachedKVSource):
         return [c.fresh is not None or codec_for_name(c.manifest.codec, c.manifest.group).exact_for(self.dtype)
                 for c in self.chunks]
 
+    @property
+    def load_failures(self) -> int:
+        return sum(c.manifest is not None and c.fresh is not None for c in self.chunks)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(len(c.segment.token_ids) for c in self.chunks if c.fresh is not None)
+
     def close(self) -> None:
+        if self.on_done is not None:
+            done, self.on_done = self.on_done, None
+            done(self.load_failures)
         if self._executor is not None:
             for future in self._futures.values():
                 future.cancel()
@@ -165,6 +181,7 @@ class PipelinedKVSource(CachedKVSource):
         stored = [c for c in self.chunks if c.fresh is None]
         blobs = self._fetch(stored, index)
         decoded: dict[int, PackedLayer] = {}
+        unusable: list[tuple[PlannedChunk, CorruptEntryError]] = []
         for chunk, blob in zip(stored, blobs):
             if chunk.fresh is not None:
                 continue
@@ -174,7 +191,9 @@ class PipelinedKVSource(CachedKVSource):
                 self.bytes_read += len(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else 0
                 decoded[id(chunk)] = self.rules.layer(blob, chunk.manifest, index)
             except CorruptEntryError as exc:
-                self._recompute(chunk, exc, index, damaged=True)
+                unusable.append((chunk, exc))
+        if unusable:  # in one batch: keys flushed or evicted mid-read take every chunk at once
+            self._recompute(unusable, index, damaged=True)
         layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]] = []
         for chunk in self.chunks:
             if chunk.fresh is not None:
@@ -199,18 +218,22 @@ class PipelinedKVSource(CachedKVSource):
             self._recompute_all(stored)
             return [None] * len(stored)
         out: list[bytes | CorruptEntryError | None] = []
+        failed: list[tuple[PlannedChunk, str]] = []
         for chunk, request in zip(stored, requests):
             try:
                 out.append(self.store.get_layer(*request))
             except CorruptEntryError as exc:
                 out.append(exc)
             except (StoreError, OSError) as exc:
-                self._recompute(chunk, str(exc), index, damaged=False)
+                failed.append((chunk, str(exc)))
                 out.append(None)
+        if failed:
+            self._recompute(failed, index, damaged=False)
         return out
 
     def _recompute_all(self, chunks: list[PlannedChunk]) -> None:
         """Fresh KV for ``chunks`` in one batch per prefix (the store failed; nothing is damaged)."""
+        started = time.perf_counter()
         by_prefix: dict[tuple[int, ...], list[PlannedChunk]] = {}
         for chunk in chunks:
             by_prefix.setdefault(chunk.segment.prefix_ids, []).append(chunk)
@@ -220,17 +243,20 @@ class PipelinedKVSource(CachedKVSource):
                 chunk.fresh = kv
         if self._stream is not None:
             self._fresh_ready = self._mark_fresh_ready()
+        self.recompute_seconds += time.perf_counter() - started
 
-    def _recompute(self, chunk: PlannedChunk, reason: CorruptEntryError | str, index: int, *, damaged: bool) -> None:
-        log = logger.debug if isinstance(reason, MissingLayerError) else logger.warning
-        log("stored KV of chunk %s... unusable at layer %d (%s); recomputing it", chunk.key[:12], index, reason)
-        chunk.fresh = self.engine.prefill_chunk(chunk.segment.token_ids, prefix_ids=chunk.segment.prefix_ids)
-        if self._stream is not None:
-            self._fresh_ready = self._mark_fresh_ready()
-        chunk.damaged = str(reason) if damaged else None
-        if self.on_damaged is not None and damaged:
-            self.on_damaged(chunk, reason if isinstance(reason, CorruptEntryError) else CorruptEntryError(reason),
-                            chunk.fresh)
+    def _recompute(self, unusable: list[tuple[PlannedChunk, CorruptEntryError | str]], index: int, *,
+                   damaged: bool) -> None:
+        """Recompute chunks whose stored copy failed at layer ``index``; damaged ones are reported."""
+        for chunk, reason in unusable:
+            log = logger.debug if isinstance(reason, MissingLayerError) else logger.warning
+            log("stored KV of chunk %s... unusable at layer %d (%s); recomputing it", chunk.key[:12], index, reason)
+        self._recompute_all([chunk for chunk, _ in unusable])
+        for chunk, reason in unusable:
+            chunk.damaged = str(reason) if damaged else None
+            if self.on_damaged is not None and damaged:
+                self.on_damaged(chunk, reason if isinstance(reason, CorruptEntryError) else CorruptEntryError(reason),
+                                chunk.fresh)
 
     def _to_device(
         self, layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]]

@@ -24,11 +24,15 @@ Values are the checksummed byte format of :mod:`cacheblend_rag.store.format`; no
 ever unpickled (``decode_responses`` is off and values are handed on as raw bytes).
 
 Failures. A lost connection, a timeout, or a server that is restarting or loading raise
-:class:`StoreError`, which the chunk cache and the tiered store treat as a miss. After such
-a failure the store does not touch the network again until a backoff delay has passed
-(exponential, capped by ``max_backoff``): requests keep their latency while Redis is down,
-and the first call after the delay reconnects. Bad URLs and rejected credentials are
-configuration errors, raised at construction with what to fix.
+:class:`StoreError`, which the chunk cache and the tiered store treat as a miss. Reads wait at
+most ``read_timeout`` (a request's deadline for the store: well under a second, where a healthy
+loopback read takes milliseconds), writes and admin commands ``socket_timeout``; redis-py retries
+a dropped connection once but never a timeout, so a hung server (``SIGSTOP``) costs one wait, not
+two. The first failure opens a circuit breaker: no call touches the network again, so every
+following request computes fresh at once, until a background probe (a ``PING`` every
+``probe_interval`` seconds) finds the server answering and closes it. A request therefore waits
+for a dead or hung store at most once, and hits resume within one probe interval of its return.
+Bad URLs and rejected credentials are configuration errors, raised at construction with what to fix.
 """
 
 from __future__ import annotations
@@ -38,12 +42,11 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cacheblend_rag.errors import ConfigError
@@ -173,8 +176,10 @@ class RedisKVStore(KVStore):
     ``prefix`` starts every key; ``namespace`` separates models (default: bound to the model
     by the chunk cache). ``ttl`` (seconds) expires entries that long after they were written;
     without it, entries stay until deleted or evicted by the server's ``maxmemory-policy``.
-    ``socket_timeout`` bounds each command; ``max_backoff`` bounds the wait between reconnect
-    attempts while the server is down. ``check_connection=False`` starts without reaching the
+    ``read_timeout`` bounds each read (then the request computes fresh), ``socket_timeout`` each write
+    or admin command; while the server is unavailable a background probe tries it every
+    ``probe_interval`` seconds (``max_backoff`` is its former name). ``check_connection=False``
+    starts without reaching the
     server (a replica may start while Redis is down; calls fail over until it is up).
 
     ``cluster=True`` talks to a Redis Cluster through any of its nodes (a cluster client must
@@ -194,8 +199,10 @@ class RedisKVStore(KVStore):
         ttl: float | None = None,
         pending_ttl: float = 3600,
         socket_timeout: float = 2.0,
+        read_timeout: float = 0.5,
         connect_timeout: float = 1.0,
-        max_backoff: float = 30.0,
+        probe_interval: float = 1.0,
+        max_backoff: float | None = None,
         check_connection: bool = True,
         cluster: bool = False,
     ) -> None:
@@ -218,18 +225,21 @@ class RedisKVStore(KVStore):
         self.namespace = namespace
         self.ttl = None if ttl in (None, "", "0", 0) else int(_positive_number("ttl", ttl))
         self.pending_ttl = int(_positive_number("pending_ttl", pending_ttl))
-        self.max_backoff = _positive_number("max_backoff", max_backoff)
+        self.probe_interval = _positive_number(
+            "probe_interval", options.pop("probe_interval", probe_interval if max_backoff is None else max_backoff))
+        self.read_timeout = _positive_number("read_timeout", options.pop("read_timeout", read_timeout))
         self.cluster = bool(cluster)
         client_class = redis.RedisCluster if self.cluster else redis.Redis
+        self._client = self._reader = None
         try:
-            # No retries inside redis-py except one immediate reconnect (a pooled connection
-            # that died with a server restart); waiting is this store's backoff, not the request's.
-            self._client = client_class.from_url(
-                url + (("?" + urlencode(options)) if options else ""),
-                socket_timeout=_positive_number("socket_timeout", socket_timeout),
-                socket_connect_timeout=_positive_number("connect_timeout", connect_timeout),
-                retry=Retry(NoBackoff(), 1), decode_responses=False,
-            )
+            full_url = url + (("?" + urlencode(options)) if options else "")
+            connect_timeout = _positive_number("connect_timeout", connect_timeout)
+            timeout = options.get("socket_timeout", socket_timeout)
+            self._client = self._make_client(client_class, full_url, _positive_number("socket_timeout", timeout),
+                                             connect_timeout)
+            self._reader = self._make_client(client_class, url, self.read_timeout, min(connect_timeout,
+                                                                                         self.read_timeout),
+                                             {k: v for k, v in options.items() if k != "socket_timeout"})
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             # A cluster client reaches its nodes at construction already.
             self._client = None
@@ -247,12 +257,26 @@ class RedisKVStore(KVStore):
         # The shared counters as this replica last saw them, and the epoch of the hash they were in.
         self._seen_totals: dict[str, int] = {}
         self._epoch: str | None = None
-        self._backoff = ExponentialBackoff(cap=self.max_backoff, base=0.25)
         self._health_lock = threading.Lock()
-        self._failures = 0
-        self._retry_at = 0.0
+        self._down: str | None = None  # why the breaker is open, while it is
+        self._probe: threading.Thread | None = None
+        self._closed = threading.Event()
         if check_connection:
             self.ping()
+
+    @staticmethod
+    def _make_client(client_class: type, url: str, timeout: float, connect_timeout: float,
+                     options: dict[str, str] | None = None) -> Any:
+        """A client whose commands wait at most ``timeout``. redis-py retries once a connection that
+        dropped (a pooled one, say, after a server restart), never a timeout: a hung server costs
+        one wait. Waiting for the server to come back is the probe's work, not a request's."""
+        if options:
+            url += "?" + urlencode(options)
+        return client_class.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            decode_responses=False,
+        )
 
     @staticmethod
     def _split_url(url: str) -> tuple[str, dict[str, str]]:
@@ -311,38 +335,56 @@ class RedisKVStore(KVStore):
                          "to start while it is down") from None
 
     def _mark_up(self) -> None:
-        if self._failures:
+        if self._down is not None:
             with self._health_lock:
-                was_down, self._failures, self._retry_at = self._failures, 0, 0.0
+                was_down, self._down = self._down, None
             if was_down:
-                logger.info("Redis at %s is reachable again", redact_url(self.url))
+                logger.warning("Redis at %s answers again; reading and writing it again", redact_url(self.url))
 
-    def _mark_down(self) -> float:
+    def _trip(self, why: str) -> bool:
+        """Open the breaker and start the probe; ``True`` if it was closed (the first failure)."""
         with self._health_lock:
-            self._failures += 1
-            delay = self._backoff.compute(self._failures)
-            self._retry_at = time.monotonic() + delay
-        return delay
+            first, self._down = self._down is None, why
+            if self._probe is None or not self._probe.is_alive():
+                self._probe = threading.Thread(target=self._probe_until_up, name="cacheblend-redis-probe",
+                                               daemon=True)
+                self._probe.start()
+        return first
+
+    def _probe_until_up(self) -> None:
+        """PING every ``probe_interval`` seconds (waiting at most ``read_timeout``) until the server answers."""
+        while not self._closed.wait(self.probe_interval):
+            try:
+                self._reader.ping()
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+                logger.debug("Redis at %s still does not answer: %s", redact_url(self.url), exc)
+                continue
+            self._mark_up()
+            return
 
     @contextlib.contextmanager
     def _io(self, what: str) -> Iterator[None]:
         where = redact_url(self.url)
-        wait = self._retry_at - time.monotonic()
-        if self._failures and wait > 0:
-            raise StoreError(f"Redis at {where} is unavailable; cannot {what}, next reconnect attempt in {wait:.1f}s")
+        if self._down is not None:
+            error = StoreError(f"Redis at {where} is unavailable ({self._down}); cannot {what}, a probe checks it "
+                               f"every {self.probe_interval:g}s")
+            error.warned = True  # said when it went down
+            raise error
         try:
             yield
+        except StoreError:
+            raise
         except _UNAVAILABLE as exc:
-            delay = self._mark_down()
-            raise StoreError(f"Redis at {where} is unavailable ({exc}); cannot {what}, "
-                             f"reconnecting in {delay:.1f}s") from exc
+            first = self._trip(f"{type(exc).__name__}: {exc}")
+            error = StoreError(f"Redis at {where} is unavailable ({exc}); cannot {what}, skipping it until a probe "
+                               f"(every {self.probe_interval:g}s) finds it answering")
+            error.warned = not first
+            raise error from exc
         except redis.exceptions.RedisError as exc:
             message = str(exc)
             if "LOADING" in message or "MASTERDOWN" in message or "TRYAGAIN" in message:
-                self._mark_down()
+                self._trip(message)
             raise StoreError(f"Redis at {where} cannot {what}: {exc}") from exc
-        else:
-            self._mark_up()
 
     # ----------------------------------------------------------------- keys
     def bind_model(self, fingerprint: str, *, max_value_bytes: int | None = None) -> None:
@@ -376,7 +418,7 @@ class RedisKVStore(KVStore):
             return []
         names = [(self._hash(key), _layer_field(write_id, layer)) for key, write_id, layer in requests]
         with self._io("read layers"):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._reader.pipeline(transaction=False)
             for name, field in names:
                 pipe.hget(name, field)
             return self._answers(pipe.execute(raise_on_error=False))
@@ -402,7 +444,7 @@ class RedisKVStore(KVStore):
             return []
         names = [self._hash(key) for key in keys]
         with self._io("read manifests"):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._reader.pipeline(transaction=False)
             for name in names:
                 pipe.hget(name, MANIFEST_FIELD)
             return self._answers(pipe.execute(raise_on_error=False))
@@ -433,7 +475,7 @@ class RedisKVStore(KVStore):
         name = self._hash(key)
         with self._io("look up a manifest"):
             try:
-                return bool(self._client.hexists(name, MANIFEST_FIELD))
+                return bool(self._reader.hexists(name, MANIFEST_FIELD))
             except redis.exceptions.ResponseError as exc:
                 raise _wrong_type(exc) from None
 
@@ -545,6 +587,15 @@ class RedisKVStore(KVStore):
         self._seen_totals, self._epoch = {}, None
 
     def stats(self) -> StoreStats:
+        """Entries, bytes, counters and the server's memory settings; never raises (a server that does not
+        answer gives ``available=False``, with this replica's own counts)."""
+        try:
+            return self._server_stats()
+        except StoreError as exc:
+            details = {"url": redact_url(self.url), "prefix": self.prefix, "namespace": self.namespace}
+            return StoreStats(**super().counters(), available=False, error=str(exc), details=details)
+
+    def _server_stats(self) -> StoreStats:
         def queue(pipe: Any, name: bytes) -> None:
             pipe.hexists(name, MANIFEST_FIELD)
             pipe.memory_usage(name, samples=0)
@@ -568,7 +619,10 @@ class RedisKVStore(KVStore):
         self.reset_counters()
 
     def close(self) -> None:
-        self._client.close()
+        self._closed.set()  # ends the probe
+        for client in (self._client, self._reader):
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                client.close()
 
     def describe(self) -> str:
         namespace = "" if self.namespace is None else f", namespace={self.namespace}"

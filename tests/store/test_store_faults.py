@@ -28,8 +28,8 @@ CONFIG = BlendConfig(recompute_ratio=0.25, check_layer=1)
 @pytest.fixture
 def warmed(engine, chunk_ids, tmp_path):
     path = tmp_path / "kv"
-    with ChunkCache(engine, DiskKVStore(path), storage_dtype="float32") as cache:
-        cache.warm(chunk_ids)
+    with DiskKVStore(path) as store, ChunkCache(engine, store, storage_dtype="float32") as cache:
+        cache.warm(chunk_ids)  # closed, as by a replica that stops: no connection holds the index open
     return path
 
 
@@ -115,7 +115,7 @@ def test_a_store_with_a_broken_index_opens_empty_and_clear_works(engine, warmed,
     with caplog.at_level(logging.WARNING):
         store = DiskKVStore(warmed)
     assert store.stats().entries == 0
-    if damage != "deleted":
+    if damage not in ("deleted", "empty"):  # an empty file is a valid, empty SQLite database
         assert any("moved aside" in r.message for r in caplog.records)
     assert not list(warmed.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*.val"))  # orphans reclaimed
     stored, _ = stored_prompt

@@ -171,4 +171,6 @@ def test_eviction_under_maxmemory_is_counted_quietly_and_the_counters_survive(en
         assert int(admin.info("stats")["evicted_keys"]) > 0  # the server did evict
     assert not [m for m in _warnings(caplog) if "corrupt" in m], _warnings(caplog)
     assert counters["corrupt"] == 0 and counters["hits"] > 0
-    assert counters["misses"] >= misses and counters["hits"] + counters["misses"] >= 2 * 21
+    # every chunk asked for is a hit, a miss, or a load failure (its layers were evicted mid-read)
+    assert counters["misses"] >= misses
+    assert counters["hits"] + counters["misses"] + counters["load_failures"] >= 2 * 21

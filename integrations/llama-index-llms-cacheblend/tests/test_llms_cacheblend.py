@@ -113,6 +113,10 @@ def test_bad_store_path_fails_at_construction(engine, tmp_path):
     [
         ("recompute_ratio", 1.5, r"recompute_ratio=1.5 is out of range; allowed range is \[0.0, 1.0\]"),
         ("recompute_ratio", -0.1, r"recompute_ratio=-0.1 is out of range"),
+        # refused as BlendConfig refuses it, not turned into 0.15 by pydantic first
+        ("recompute_ratio", "0.15", r"recompute_ratio='0.15' must be a number in \[0.0, 1.0\]"),
+        ("sink_tokens", 2.0, r"sink_tokens=2.0 must be an integer"),
+        ("temperature", "0.5", r"temperature='0.5'"),
         ("selection", "nope", r"selection='nope' is not supported"),
         ("profile_layers", 0, r"profile_layers=0 is out of range"),
         ("profile_tokens", 0, r"profile_tokens=0 is out of range"),

@@ -183,6 +183,8 @@ def test_bad_arguments_say_what_to_fix(engine) -> None:
         ChatCacheBlend(engine=engine, recompute_raito=0.2)
     with pytest.raises(ValidationError, match="recompute_ratio"):
         ChatCacheBlend(engine=engine, recompute_ratio=1.5)
+    with pytest.raises(ValidationError, match=r"recompute_ratio='0.15' must be a number in \[0.0, 1.0\]"):
+        ChatCacheBlend(engine=engine, recompute_ratio="0.15")  # as BlendConfig refuses it, not coerced
     with pytest.raises(ValidationError, match="selection"):
         ChatCacheBlend(engine=engine, selection="nope")
     with pytest.raises(ValidationError, match="profile_layers=0 is out of range"):
