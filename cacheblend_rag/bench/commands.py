@@ -109,8 +109,12 @@ def run_command(args: argparse.Namespace) -> int:
     from cacheblend_rag.bench.plot import plot_speedup_vs_kl
     from cacheblend_rag.bench.report import answer_table, describe_run, markdown_table, write_json
 
+    def checkpoint(document: dict[str, Any]) -> None:
+        # After every question: a run stopped midway keeps the questions it finished.
+        write_json(document, args.out)
+
     try:
-        document = run_benchmark(config_from_args(args))
+        document = run_benchmark(config_from_args(args), on_partial=checkpoint if args.out else None)
     except CacheBlendError as exc:  # bad options or data: say what is wrong, no traceback
         print(f"cacheblend-rag bench: error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -198,7 +198,9 @@ class BenchmarkRunner:
         self.selection: dict[str, Any] | None = None  # set by run(): which questions ran
 
     # ----------------------------------------------------------------- run
-    def run(self, examples: list[MusiqueExample]) -> list[ExampleOutcome]:
+    def run(self, examples: list[MusiqueExample],
+            on_example: Callable[[list[ExampleOutcome]], None] | None = None) -> list[ExampleOutcome]:
+        """Every method on every (kept) question; ``on_example`` sees the outcomes so far after each one."""
         if not examples:
             raise ConfigError("no examples to run; check --data and --n")
         prompts = [self.prompt(ex) for ex in examples]
@@ -218,6 +220,8 @@ class BenchmarkRunner:
             for position, index in enumerate(kept):
                 outcomes.append(self._run_example(position, index, examples[index], prompts[index], bar))
                 bar.update(1)
+                if on_example is not None:
+                    on_example(outcomes)
             bar.close()
         finally:
             self.stores.close()
@@ -453,8 +457,12 @@ def example_records(outcomes: list[ExampleOutcome]) -> list[dict[str, Any]]:
     return [asdict(o) for o in outcomes]
 
 
-def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -> dict[str, Any]:
-    """Run the benchmark and return the result document (see docs/benchmark_schema.md)."""
+def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
+                  on_partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark and return the result document (see docs/benchmark_schema.md).
+
+    ``on_partial`` gets the document of the questions done so far after each question (``partial``
+    true until the last), so a long run that is stopped keeps what it measured."""
     from cacheblend_rag.bench.report import build_document, git_info
 
     # The commit whose code runs; taken now, as a long run can outlive several commits.
@@ -465,11 +473,17 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -
     runner = BenchmarkRunner(engine, config)
     backend = runner.stores.backend_name
     started = time.time()
-    outcomes = runner.run(examples)
-    elapsed = time.time() - started
-    return build_document(
-        config=config, engine=engine, specs=runner.specs, added=runner.added_specs,
-        blend_config=runner.base_blend, store_backend=backend, outcomes=outcomes,
-        summaries=summarize_methods(runner.specs, outcomes), elapsed_s=elapsed, git=git,
-        selection=runner.selection,
-    )
+
+    def document(outcomes: list[ExampleOutcome]) -> dict[str, Any]:
+        return build_document(
+            config=config, engine=engine, specs=runner.specs, added=runner.added_specs,
+            blend_config=runner.base_blend, store_backend=backend, outcomes=outcomes,
+            summaries=summarize_methods(runner.specs, outcomes), elapsed_s=time.time() - started, git=git,
+            selection=runner.selection,
+        )
+
+    def partial(outcomes: list[ExampleOutcome]) -> None:
+        if on_partial is not None:
+            on_partial({**document(outcomes), "partial": len(outcomes) < runner.selection["kept"]})
+
+    return {**document(runner.run(examples, on_example=partial)), "partial": False}

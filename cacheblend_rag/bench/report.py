@@ -201,7 +201,8 @@ def describe_run(document: dict[str, Any]) -> str:
     tokens = d["prompt_tokens"]["mean"]
     selection = d.get("selection") or {}
     return (
-        f"{d['examples']} MuSiQue questions"
+        ("PARTIAL RUN: " if document.get("partial") else "")
+        + f"{d['examples']} MuSiQue questions"
         + (f" (--answerable: kept {selection['kept']} of {selection['of']}, gold answer in the prompt)"
            if selection.get("answerable") else "")
         + f", {d['passages']} passages each"

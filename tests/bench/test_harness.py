@@ -140,6 +140,14 @@ def test_answerable_keeps_questions_whose_answer_is_in_the_prompt(engine, tmp_pa
                                   answerable=True, **FAST), engine=engine)
 
 
+def test_partial_documents_after_every_question(engine, musique_file):
+    seen = []
+    config = BenchConfig(data=str(musique_file), passages=2, ratios="0.5", methods="full_reuse", cold_examples=0, **FAST)
+    final = run_benchmark(config, engine=engine, on_partial=seen.append)
+    assert [(d["partial"], d["data"]["examples"]) for d in seen] == [(True, 1), (False, 2)]
+    assert final["partial"] is False and final["methods"][0]["examples"] == 2
+
+
 def test_strategy_grid_and_recovery_plot(document, tmp_path):
     rows = strategy_grid_table(document, focus=0.5).splitlines()
     assert rows[0].startswith("| method | recovery @ 0.5 / 1 |")
