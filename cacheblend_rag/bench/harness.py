@@ -457,6 +457,27 @@ def example_records(outcomes: list[ExampleOutcome]) -> list[dict[str, Any]]:
     return [asdict(o) for o in outcomes]
 
 
+def restrict_document(document: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    """``document`` summarised again over the questions whose data ``index`` is in ``indices`` (two
+    runs compared on the questions both finished). TTFT speedups stay relative to full prefill on
+    those questions; the data spread is left as it was."""
+    keep = set(indices)
+    outcomes = [
+        ExampleOutcome(**{**e, "methods": {name: MethodOutcome(**m) for name, m in e["methods"].items()}})
+        for e in document["examples"] if e["index"] in keep
+    ]
+    if not outcomes:
+        raise ConfigError(f"none of the questions {sorted(keep)} is in this result")
+    specs = [MethodSpec(kind=m["kind"], selection=m["selection"], ratio=m["ratio"] if m["kind"] == "blend" else None,
+                        prefix_conditioned=m["prefix_conditioned"], storage=m["storage"]) for m in document["methods"]]
+    summaries = summarize_methods(specs, outcomes)
+    for summary, old in zip(summaries, document["methods"]):
+        summary["added_as_reference"] = old["added_as_reference"]
+    data = {**document["data"], "examples": len(outcomes),
+            "selection": {**document["data"].get("selection", {}), "restricted_to": sorted(keep)}}
+    return {**document, "data": data, "methods": summaries, "examples": [asdict(o) for o in outcomes]}
+
+
 def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
                   on_partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return the result document (see docs/benchmark_schema.md).

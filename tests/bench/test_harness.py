@@ -140,6 +140,33 @@ def test_answerable_keeps_questions_whose_answer_is_in_the_prompt(engine, tmp_pa
                                   answerable=True, **FAST), engine=engine)
 
 
+def test_restrict_document_summarises_again(document):
+    from cacheblend_rag.bench.harness import restrict_document
+
+    same = restrict_document(json.loads(json.dumps(document)), [0, 1])
+    assert [m["quality"] for m in same["methods"]] == [m["quality"] for m in document["methods"]]
+    first = restrict_document(document, [0])
+    assert first["data"]["examples"] == 1 and [e["index"] for e in first["examples"]] == [0]
+    f1 = {n: o["f1"] for n, o in document["examples"][0]["methods"].items()}
+    assert {m["name"]: m["quality"]["f1"] for m in first["methods"]} == f1
+    with pytest.raises(ConfigError, match="none of the questions"):
+        restrict_document(document, [7])
+
+
+def test_answer_tables_script_compares_runs_on_common_questions(document, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    both, first = tmp_path / "both.json", tmp_path / "first.json"
+    write_json(document, both)
+    write_json({**document, "examples": document["examples"][:1]}, first)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "answer_tables.py"
+    out = subprocess.run([sys.executable, str(script), str(both), str(first)], capture_output=True, text=True, check=True)
+    assert "questions common to every run (1): [0]" in out.stdout
+    assert out.stdout.count("| method | F1 | EM | ΔF1 vs full prefill [95% CI]") == 2
+
+
 def test_partial_documents_after_every_question(engine, musique_file):
     seen = []
     config = BenchConfig(data=str(musique_file), passages=2, ratios="0.5", methods="full_reuse", cold_examples=0, **FAST)
