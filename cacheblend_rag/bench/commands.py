@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--passages", type=int, default=10, help="passages per question, each one cached chunk")
     data.add_argument("--max-passage-tokens", type=int, default=None,
                       help="truncate each passage's text to this many tokens")
+    data.add_argument("--answerable", action="store_true",
+                      help="keep only questions whose gold answer (SQuAD-normalised) occurs in the passages after "
+                           "truncation; says how many it kept. F1 on the others measures guessing")
 
     methods = parser.add_argument_group("methods")
     methods.add_argument(
@@ -75,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         data=args.data, n=args.n, passages=args.passages, max_passage_tokens=args.max_passage_tokens,
+        answerable=args.answerable,
         ratios=args.ratios, methods=args.methods, prefix_conditioned=args.prefix_conditioned,
         store=args.store, store_dir=args.store_dir, storage_dtype=args.storage_dtype,
         max_new_tokens=args.max_new_tokens, teacher_tokens=args.teacher_tokens, repeats=args.repeats,
@@ -103,16 +107,22 @@ def parse_blend_options(items: list[str]) -> dict[str, Any]:
 def run_command(args: argparse.Namespace) -> int:
     from cacheblend_rag.bench.harness import run_benchmark
     from cacheblend_rag.bench.plot import plot_speedup_vs_kl
-    from cacheblend_rag.bench.report import describe_run, markdown_table, write_json
+    from cacheblend_rag.bench.report import answer_table, describe_run, markdown_table, write_json
+
+    def checkpoint(document: dict[str, Any]) -> None:
+        # After every question: a run stopped midway keeps the questions it finished.
+        write_json(document, args.out)
 
     try:
-        document = run_benchmark(config_from_args(args))
+        document = run_benchmark(config_from_args(args), on_partial=checkpoint if args.out else None)
     except CacheBlendError as exc:  # bad options or data: say what is wrong, no traceback
         print(f"cacheblend-rag bench: error: {exc}", file=sys.stderr)
         return 2
     print(describe_run(document))
     print()
     print(markdown_table(document))
+    print()
+    print(answer_table(document))
     if args.out:
         print(f"\nJSON written to {write_json(document, args.out)}", file=sys.stderr)
     if args.plot:

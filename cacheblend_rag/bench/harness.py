@@ -17,14 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from cacheblend_rag.bench.methods import MethodSpec, PrefixMode, parse_methods, parse_ratios, with_references
 from cacheblend_rag.bench.metrics import (
+    answer_in_text,
     answers_match,
+    bootstrap_interval,
+    gold_exact_match,
     gold_f1,
     mean_or_none,
     recovery,
@@ -53,6 +56,7 @@ from cacheblend_rag.store.codec import STORAGE_DTYPES
 logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = "full_prefill,prefix_caching,full_reuse,cacheblend"
+BOOTSTRAP_RESAMPLES = 5000
 
 
 @dataclass
@@ -63,6 +67,8 @@ class BenchConfig:
     n: int | None = None
     passages: int = 10
     max_passage_tokens: int | None = None
+    # Keep only questions whose gold answer is in the prompt once passages are cut (see answerable()).
+    answerable: bool = False
     ratios: tuple[float, ...] = (0.05, 0.15, 0.3)
     methods: str = DEFAULT_METHODS
     prefix_conditioned: PrefixMode = "off"
@@ -134,7 +140,8 @@ class MethodOutcome:
 
     answer: str
     f1: float
-    exact_match: bool
+    gold_exact_match: bool  # SQuAD exact match against the gold answers
+    exact_match: bool  # the answer equals full prefill's
     kl: float
     top1: float
     ttft_s: list[float]
@@ -188,19 +195,33 @@ class BenchmarkRunner:
         self.variants = sorted({_variant(s) for s in self.specs if s.uses_chunk_cache}, key=_variant_name)
         self.eos_ids = eos_token_ids(engine)
         self.stores = ChunkStoreFactory(config.store, engine, config.store_dir, config.storage_dtype)
+        self.selection: dict[str, Any] | None = None  # set by run(): which questions ran
 
     # ----------------------------------------------------------------- run
-    def run(self, examples: list[MusiqueExample]) -> list[ExampleOutcome]:
+    def run(self, examples: list[MusiqueExample],
+            on_example: Callable[[list[ExampleOutcome]], None] | None = None) -> list[ExampleOutcome]:
+        """Every method on every (kept) question; ``on_example`` sees the outcomes so far after each one."""
         if not examples:
             raise ConfigError("no examples to run; check --data and --n")
         prompts = [self.prompt(ex) for ex in examples]
+        kept = list(range(len(examples)))
+        if self.config.answerable:
+            kept = answerable(examples, prompts)
+            # Said where a reader of the table sees it, not only in the JSON.
+            logger.warning("--answerable: kept %d of %d questions (gold answer in the prompt)", len(kept), len(examples))
+            if not kept:
+                raise ConfigError(f"--answerable kept none of the {len(examples)} questions: no gold answer occurs in "
+                                  "its prompt; raise --max-passage-tokens or --passages")
+        self.selection = {"answerable": self.config.answerable, "kept": len(kept), "of": len(examples)}
         try:
-            self._warm_up(prompts[0])
+            self._warm_up(prompts[kept[0]])
             outcomes = []
-            bar = tqdm(total=len(examples), desc="bench", unit="question", disable=not self.config.show_progress)
-            for index, (example, prompt) in enumerate(zip(examples, prompts)):
-                outcomes.append(self._run_example(index, example, prompt, bar))
+            bar = tqdm(total=len(kept), desc="bench", unit="question", disable=not self.config.show_progress)
+            for position, index in enumerate(kept):
+                outcomes.append(self._run_example(position, index, examples[index], prompts[index], bar))
                 bar.update(1)
+                if on_example is not None:
+                    on_example(outcomes)
             bar.close()
         finally:
             self.stores.close()
@@ -234,20 +255,12 @@ class BenchmarkRunner:
             run_request(self.engine, request, max_new_tokens=2, eos_ids=self.eos_ids, teacher_limit=2)
 
     # ------------------------------------------------------------ one question
-    def _run_example(self, index: int, example: MusiqueExample, prompt: BenchPrompt, bar: Any) -> ExampleOutcome:
+    def _run_example(self, position: int, index: int, example: MusiqueExample, prompt: BenchPrompt,
+                     bar: Any) -> ExampleOutcome:
+        """``index``: the question's place in the data; ``position``: its place in this run (the first
+        ``cold_examples`` and ``throughput_requests`` runs get those measurements)."""
         cfg = self.config
-        caches: dict[Variant, Any] = {}
-        precompute: dict[str, float] = {}
-        for variant in self.variants:
-            cache = self.stores.open(prompt.conditioning_prefix(variant[0]), variant[1])
-            start = time.perf_counter()
-            cache.warm(prompt.chunk_ids)
-            precompute[_variant_name(variant)] = time.perf_counter() - start
-            # The lead opens every prompt: stored losslessly it is an exact prefix. Once for the whole
-            # run in practice, so not a per-question cost.
-            cache.warm([prompt.lead_ids], prefix_ids=(), lossless=True)
-            caches[variant] = cache
-
+        caches, precompute = self._precompute(prompt)
         prefix_state: PrefillOutput | None = None
         prefix_cache_s = None
         if any(s.kind == "prefix_caching" for s in self.specs):
@@ -278,6 +291,7 @@ class BenchmarkRunner:
                 outcome = MethodOutcome(
                     answer=run.text,
                     f1=gold_f1(run.text, example.answers),
+                    gold_exact_match=gold_exact_match(run.text, example.answers),
                     exact_match=answers_match(run.text, reference.text),
                     kl=float(token_kl(reference.teacher_logits, run.teacher_logits).mean()),
                     top1=top1_agreement(reference.teacher_logits, run.teacher_logits),
@@ -288,9 +302,9 @@ class BenchmarkRunner:
                                                          "cache_misses", "fallback_reason") if k in run.stats},
                 )
                 del run
-                if index < cfg.cold_examples:
+                if position < cfg.cold_examples:
                     outcome.cold_ttft_s = self._cold_ttft(spec, prompt, outcome)
-                if index < cfg.throughput_requests:
+                if position < cfg.throughput_requests:
                     outcome.throughput_request_s = run_request(
                         self.engine, request, max_new_tokens=cfg.throughput_new_tokens, eos_ids=self.eos_ids,
                         ignore_eos=True, teacher_limit=0,
@@ -312,6 +326,21 @@ class BenchmarkRunner:
             prefix_cache_s=prefix_cache_s,
             methods=outcomes,
         )
+
+    def _precompute(self, prompt: BenchPrompt) -> tuple[dict[Variant, Any], dict[str, float]]:
+        """A fresh chunk store per variant holding this prompt's passages, and the seconds each took."""
+        caches: dict[Variant, Any] = {}
+        precompute: dict[str, float] = {}
+        for variant in self.variants:
+            cache = self.stores.open(prompt.conditioning_prefix(variant[0]), variant[1])
+            start = time.perf_counter()
+            cache.warm(prompt.chunk_ids)
+            precompute[_variant_name(variant)] = time.perf_counter() - start
+            # The lead opens every prompt: stored losslessly it is an exact prefix. Once for the whole
+            # run in practice, so not a per-question cost.
+            cache.warm([prompt.lead_ids], prefix_ids=(), lossless=True)
+            caches[variant] = cache
+        return caches, precompute
 
     def _request(self, spec: MethodSpec, prompt: BenchPrompt, caches: dict[Variant, Any],
                  prefix_state: PrefillOutput | None) -> Request:
@@ -338,6 +367,13 @@ class BenchmarkRunner:
             self.stores.release(cache)
 
 
+def answerable(examples: list[MusiqueExample], prompts: list[BenchPrompt]) -> list[int]:
+    """Indices of the questions whose gold answer occurs in the passages as the prompt holds them
+    (after truncation to ``max_passage_tokens``)."""
+    return [i for i, (example, prompt) in enumerate(zip(examples, prompts))
+            if answer_in_text(example.answers, "".join(prompt.passage_texts))]
+
+
 # --------------------------------------------------------------------------- summaries
 def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -> list[dict[str, Any]]:
     """Per-method aggregates over all questions (see docs/benchmark_schema.md)."""
@@ -348,6 +384,7 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
         return [getattr(o.methods[name], attr) for o in outcomes if name in o.methods]
 
     ttft_by_method = {s.name: [float(np.median(o.methods[s.name].ttft_s)) for o in outcomes] for s in specs}
+    reference_f1 = per_example(full_prefill, "f1")
     reference_ttft = summarize(ttft_by_method[full_prefill])["median"]
     full_reuse_kl = per_example(full_reuse, "kl") if any(s.name == full_reuse for s in specs) else None
     full_reuse_mean = mean_or_none(full_reuse_kl) if full_reuse_kl else None
@@ -382,6 +419,7 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
         worse = None
         if full_reuse_kl is not None:
             worse = int(sum(kl > ref for kl, ref in zip(kls, full_reuse_kl)))
+        f1_delta = [f1 - ref for f1, ref in zip(per_example(name, "f1"), reference_f1)]
         summaries.append({
             **spec.to_dict(),
             "examples": len(outcomes),
@@ -395,6 +433,10 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
             "recompute_fraction": (sum(recomputed) / sum(cached)) if sum(cached) else None,
             "quality": {
                 "f1": mean_or_none(per_example(name, "f1")),
+                "gold_em": mean_or_none([float(v) for v in per_example(name, "gold_exact_match")]),
+                # Paired over questions: the same question's F1 under full prefill is subtracted.
+                "f1_delta": mean_or_none(f1_delta),
+                "f1_delta_ci95": None if spec.kind == "full_prefill" else _interval(f1_delta),
                 "kl": mean_kl,
                 "kl_median": float(np.median(kls)) if kls else None,
                 "top1": mean_or_none(per_example(name, "top1")),
@@ -406,12 +448,42 @@ def summarize_methods(specs: list[MethodSpec], outcomes: list[ExampleOutcome]) -
     return summaries
 
 
+def _interval(values: list[float]) -> list[float] | None:
+    interval = bootstrap_interval(values, resamples=BOOTSTRAP_RESAMPLES, seed=0)
+    return None if interval is None else list(interval)
+
+
 def example_records(outcomes: list[ExampleOutcome]) -> list[dict[str, Any]]:
     return [asdict(o) for o in outcomes]
 
 
-def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -> dict[str, Any]:
-    """Run the benchmark and return the result document (see docs/benchmark_schema.md)."""
+def restrict_document(document: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    """``document`` summarised again over the questions whose data ``index`` is in ``indices`` (two
+    runs compared on the questions both finished). TTFT speedups stay relative to full prefill on
+    those questions; the data spread is left as it was."""
+    keep = set(indices)
+    outcomes = [
+        ExampleOutcome(**{**e, "methods": {name: MethodOutcome(**m) for name, m in e["methods"].items()}})
+        for e in document["examples"] if e["index"] in keep
+    ]
+    if not outcomes:
+        raise ConfigError(f"none of the questions {sorted(keep)} is in this result")
+    specs = [MethodSpec(kind=m["kind"], selection=m["selection"], ratio=m["ratio"] if m["kind"] == "blend" else None,
+                        prefix_conditioned=m["prefix_conditioned"], storage=m["storage"]) for m in document["methods"]]
+    summaries = summarize_methods(specs, outcomes)
+    for summary, old in zip(summaries, document["methods"]):
+        summary["added_as_reference"] = old["added_as_reference"]
+    data = {**document["data"], "examples": len(outcomes),
+            "selection": {**document["data"].get("selection", {}), "restricted_to": sorted(keep)}}
+    return {**document, "data": data, "methods": summaries, "examples": [asdict(o) for o in outcomes]}
+
+
+def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
+                  on_partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark and return the result document (see docs/benchmark_schema.md).
+
+    ``on_partial`` gets the document of the questions done so far after each question (``partial``
+    true until the last), so a long run that is stopped keeps what it measured."""
     from cacheblend_rag.bench.report import build_document, git_info
 
     # The commit whose code runs; taken now, as a long run can outlive several commits.
@@ -422,10 +494,17 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None) -
     runner = BenchmarkRunner(engine, config)
     backend = runner.stores.backend_name
     started = time.time()
-    outcomes = runner.run(examples)
-    elapsed = time.time() - started
-    return build_document(
-        config=config, engine=engine, specs=runner.specs, added=runner.added_specs,
-        blend_config=runner.base_blend, store_backend=backend, outcomes=outcomes,
-        summaries=summarize_methods(runner.specs, outcomes), elapsed_s=elapsed, git=git,
-    )
+
+    def document(outcomes: list[ExampleOutcome]) -> dict[str, Any]:
+        return build_document(
+            config=config, engine=engine, specs=runner.specs, added=runner.added_specs,
+            blend_config=runner.base_blend, store_backend=backend, outcomes=outcomes,
+            summaries=summarize_methods(runner.specs, outcomes), elapsed_s=time.time() - started, git=git,
+            selection=runner.selection,
+        )
+
+    def partial(outcomes: list[ExampleOutcome]) -> None:
+        if on_partial is not None:
+            on_partial({**document(outcomes), "partial": len(outcomes) < runner.selection["kept"]})
+
+    return {**document(runner.run(examples, on_example=partial)), "partial": False}

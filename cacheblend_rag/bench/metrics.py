@@ -62,6 +62,36 @@ def gold_f1(generated: str, golds: Iterable[str]) -> float:
     return max(scores) if scores else 0.0
 
 
+def gold_exact_match(generated: str, golds: Iterable[str]) -> bool:
+    """SQuAD exact match: the first line of ``generated`` normalises to one of ``golds``."""
+    answer = normalize_answer(first_line(generated))
+    return any(answer == normalize_answer(gold) for gold in golds)
+
+
+def answer_in_text(golds: Iterable[str], text: str) -> bool:
+    """Whether some gold answer, normalised as for F1, occurs in ``text`` as whole words: a question
+    whose answer is not in its prompt measures nothing by F1 (a model can only guess)."""
+    haystack = f" {normalize_answer(text)} "
+    return any(needle and f" {needle} " in haystack for needle in (normalize_answer(g) for g in golds))
+
+
+def bootstrap_interval(values: Sequence[float], *, resamples: int = 2000, confidence: float = 0.95,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean of ``values`` (paired differences, one per question),
+    over ``resamples`` resamples of the questions with replacement; seeded, so a rerun reproduces it.
+    ``None`` for fewer than two values."""
+    data = np.asarray(values, dtype=np.float64)
+    if data.size < 2:
+        return None
+    if not 0.0 < confidence < 1.0 or resamples < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1) and resamples={resamples} be >= 1")
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    tail = 100 * (1.0 - confidence) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def answers_match(generated: str, reference: str) -> bool:
     """Exact match of two generated answers (their first lines, whitespace-trimmed)."""
     return first_line(generated) == first_line(reference)

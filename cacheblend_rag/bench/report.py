@@ -83,8 +83,10 @@ def build_document(
     summaries: list[dict[str, Any]],
     elapsed_s: float,
     git: dict[str, Any] | None = None,
+    selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``git``: :func:`git_info` taken when the run started (the code it ran); now, if not given."""
+    """``git``: :func:`git_info` taken when the run started (the code it ran); now, if not given.
+    ``selection``: which questions ran, ``{answerable, kept, of}``."""
     prompt_tokens = [o.prompt_tokens for o in outcomes]
     chunk_tokens = [t for o in outcomes for t in o.chunk_tokens]
     added_names = {s.name for s in added}
@@ -108,6 +110,7 @@ def build_document(
         "data": {
             "path": str(config.data),
             "examples": len(outcomes),
+            "selection": selection or {"answerable": False, "kept": len(outcomes), "of": len(outcomes)},
             "passages": config.passages,
             "max_passage_tokens": config.max_passage_tokens,
             "prompt_tokens": _spread(prompt_tokens),
@@ -141,7 +144,7 @@ def markdown_table(document: dict[str, Any]) -> str:
     columns = [
         "method", "TTFT median (s)", "TTFT p90 (s)", "speedup", "cold TTFT (s)", "precompute ms/chunk",
         "decode tok/s", "req/s",
-        "F1", "KL", "top-1", "recovery", "EM vs full", "worse than full reuse",
+        "F1", "EM", "ΔF1 vs full [95% CI]", "KL", "top-1", "recovery", "same answer as full", "worse than full reuse",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
     n = document["data"]["examples"]
@@ -158,6 +161,8 @@ def markdown_table(document: dict[str, Any]) -> str:
             _fmt(m["decode_tokens_per_s"], ".1f"),
             _fmt(m["throughput_rps"], ".3f"),
             _fmt(q["f1"], ".3f"),
+            _fmt(q["gold_em"], ".3f"),
+            f1_delta_cell(q),
             _fmt(q["kl"], ".4f"),
             _fmt(q["top1"], ".3f"),
             "–" if rec is None else f"{100 * rec:.0f}%",
@@ -168,12 +173,39 @@ def markdown_table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def f1_delta_cell(quality: dict[str, Any]) -> str:
+    """``+0.012 [-0.030, +0.061]``: the mean paired F1 difference to full prefill and its bootstrap interval."""
+    delta, interval = quality.get("f1_delta"), quality.get("f1_delta_ci95")
+    if delta is None:
+        return "–"
+    return f"{delta:+.3f}" + ("" if interval is None else f" [{interval[0]:+.3f}, {interval[1]:+.3f}]")
+
+
+def answer_table(document: dict[str, Any]) -> str:
+    """The paper's table: answers against gold beside fidelity to full prefill and TTFT speedup."""
+    columns = ["method", "F1", "EM", "ΔF1 vs full prefill [95% CI]", "KL", "top-1", "recovery", "TTFT speedup"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
+    for m in document["methods"]:
+        q = m["quality"]
+        lines.append("| " + " | ".join([
+            m["name"], _fmt(q["f1"], ".3f"), _fmt(q["gold_em"], ".3f"), f1_delta_cell(q), _fmt(q["kl"], ".4f"),
+            _fmt(q["top1"], ".3f"), "–" if q["recovery"] is None else f"{100 * q['recovery']:.0f}%",
+            "–" if m["ttft_speedup"] is None else f"{m['ttft_speedup']:.2f}x",
+        ]) + " |")
+    return "\n".join(lines)
+
+
 def describe_run(document: dict[str, Any]) -> str:
     """A one-paragraph caption: data, model, machine."""
     d, mach, model = document["data"], document["machine"], document["model"]
     tokens = d["prompt_tokens"]["mean"]
+    selection = d.get("selection") or {}
     return (
-        f"{d['examples']} MuSiQue questions, {d['passages']} passages each"
+        ("PARTIAL RUN: " if document.get("partial") else "")
+        + f"{d['examples']} MuSiQue questions"
+        + (f" (--answerable: kept {selection['kept']} of {selection['of']}, gold answer in the prompt)"
+           if selection.get("answerable") else "")
+        + f", {d['passages']} passages each"
         + (f" (truncated to {d['max_passage_tokens']} tokens)" if d["max_passage_tokens"] else "")
         + (f", {tokens:.0f} prompt tokens on average" if tokens else "")
         + f"; {model['name']} ({model['dtype']}), store {document['store']['kind']}"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
+from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM, its tokenizer and its architecture adapter.
 
-    ``name_or_path``: ``None`` for the embedded SmolLM2-135M-Instruct, a local HF
+    ``name_or_path``: ``None`` for the embedded SmolLM2-135M-Instruct, a catalog name
+    (``qwen2.5-coder-1.5b``, fetched once: :mod:`cacheblend_rag.models.catalog`), a local HF
     model folder, a local ``.gguf`` file, or a hub id (needs a network, unless the model is in
     the Hugging Face cache; when the hub cannot be reached, this fails within seconds, naming
     what it tried). ``tokenizer``: load the tokenizer from another folder or id.
@@ -193,12 +195,14 @@ def load_model(
         folder, _ = converted_gguf_folder(default_gguf_path())
         name, source = DEFAULT_MODEL_NAME, str(folder)
     else:
-        path = Path(name_or_path).expanduser()
+        known = catalog.lookup(str(name_or_path))
+        # A catalog name stands for its fetched GGUF; not fetched, the error says how to fetch it.
+        path = Path(name_or_path).expanduser() if known is None else catalog.installed_gguf(known, cache_root())
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
             folder, _ = converted_gguf_folder(path.resolve())
-            name, source = path.stem, str(folder)
+            name, source = (known.name if known is not None else path.stem), str(folder)
         elif path.is_dir():
             folder, name, source = path, path.name, str(path)
         elif path.exists():

