@@ -78,7 +78,8 @@ class Methods:
             prepared = self.service.prepare(prompt)
             blended = engine.blend(prepared.segments, config=self.blend, store=self.service.chunk_cache)
             gen = self.generation.resolved(engine.model.generation_config)
-            sampler, eos = TokenSampler(gen, blended.input_ids), eos_token_ids(engine)
+            eos = eos_token_ids(engine)
+            sampler = TokenSampler(gen, blended.input_ids, eos=eos)
             token, tokens, first = sampler(blended.logits), [], None
             cache: DynamicCache = blended.cache
             position = len(blended.input_ids)
@@ -172,13 +173,14 @@ def setup(args: argparse.Namespace) -> tuple[Methods, list[str], dict[str, Any]]
     service.warm(passages, show_progress=True)
     service.chunk_cache.flush()
     service.announce(passages)
-    methods = Methods(service, GenerationConfig(max_new_tokens=args.max_new_tokens))
+    min_new = args.max_new_tokens if args.min_new_tokens is None else args.min_new_tokens
+    methods = Methods(service, GenerationConfig(max_new_tokens=args.max_new_tokens, min_new_tokens=min_new))
     for method in METHODS:  # warm-up: the correctness gate, first-call allocations
         methods.run(method, built[0].text)
     info = {"model": engine.model_name, "prompts": len(built),
             "mean_prompt_tokens": round(statistics.mean(b.num_tokens for b in built)),
             "passages": args.passages, "max_passage_tokens": args.max_passage_tokens,
-            "max_new_tokens": args.max_new_tokens, "store": "disk (warm)", "torch_threads": torch.get_num_threads(),
+            "max_new_tokens": args.max_new_tokens, "min_new_tokens": min_new, "store": "disk (warm)", "torch_threads": torch.get_num_threads(),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "python": sys.version.split()[0],
             "torch": torch.__version__}
     return methods, [b.text for b in built], info
@@ -319,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passages", type=int, default=10)
     parser.add_argument("--max-passage-tokens", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--min-new-tokens", type=int, default=None,
+                        help="end-of-sequence is not sampled before this many tokens (default: --max-new-tokens, so "
+                        "every answer has the same length, as serving benchmarks fix it; 0: answers end at EOS)")
     parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=4)

@@ -137,6 +137,10 @@ class GenerationConfig:
         ``max_new_tokens`` would run out first, only tokens that can still finish the JSON within
         the tokens left are allowed (a cut answer is still valid JSON, its ``finish_reason``
         "length").
+    min_new_tokens:
+        End-of-sequence tokens are not sampled before the answer holds this many tokens (as
+        transformers' ``min_new_tokens``); stop strings still end it. ``min_new_tokens =
+        max_new_tokens`` fixes the answer's length, as serving benchmarks do.
     json_only:
         ``False``: the answer may be text instead (a tool call the model may or may not make). Its
         first token decides: one that starts the JSON holds it to ``json_schema`` to the end, any
@@ -145,6 +149,7 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -157,6 +162,10 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         _check_range("max_new_tokens", self.max_new_tokens, 1, 1_000_000, integer=True)
+        _check_range("min_new_tokens", self.min_new_tokens, 0, 1_000_000, integer=True)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens={self.min_new_tokens} is above max_new_tokens={self.max_new_tokens}; "
+                              "lower it or raise max_new_tokens")
         if self.temperature is not None:
             _check_range("temperature", self.temperature, 0.0, 100.0)
         if self.top_p is not None and (isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0):

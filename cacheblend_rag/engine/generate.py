@@ -43,11 +43,14 @@ class TokenSampler:
     """The next token from logits, as ``model.generate`` would pick it: repetition penalty over the
     prompt and the answer so far, then greedy, or temperature with top-k, top-p and min-p, seeded
     for reproducibility. A :class:`~cacheblend_rag.engine.constraints.JsonConstraint` first removes
-    every token that would break the answer's JSON. ``cfg`` must be :meth:`GenerationConfig.resolved`."""
+    every token that would break the answer's JSON, and ``eos`` ids are removed until the answer holds
+    ``cfg.min_new_tokens`` tokens. ``cfg`` must be :meth:`GenerationConfig.resolved`."""
 
-    def __init__(self, cfg: GenerationConfig, prompt_ids: Sequence[int] = (), constraint: Any = None) -> None:
+    def __init__(self, cfg: GenerationConfig, prompt_ids: Sequence[int] = (), constraint: Any = None,
+                 eos: Iterable[int] = ()) -> None:
         self.cfg = cfg
         self.constraint = constraint
+        self.eos = sorted(eos) if cfg.min_new_tokens else []
         self.seen = set(prompt_ids) if cfg.repetition_penalty != 1.0 else set()
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
@@ -58,6 +61,8 @@ class TokenSampler:
         cfg = self.cfg
         if self.constraint is not None:
             logits = self.constraint.mask(logits, generated)
+        if self.eos and len(generated) < cfg.min_new_tokens:
+            logits = logits.index_fill(-1, torch.tensor(self.eos, device=logits.device), float("-inf"))
         if cfg.repetition_penalty != 1.0:
             self.seen.update(generated[-1:])
             if self.seen:
@@ -173,7 +178,7 @@ def start_decoding(
         constraint = JsonConstraint.from_text(engine, gen.json_schema, sorted(eos), budget=gen.max_new_tokens,
                                               optional=not gen.json_only)
     blended = engine.blend(segments, config=config, store=store)
-    return Decoding(engine, gen, blended, TokenSampler(gen, blended.input_ids, constraint), eos, started)
+    return Decoding(engine, gen, blended, TokenSampler(gen, blended.input_ids, constraint, eos), eos, started)
 
 
 def _decode(

@@ -151,6 +151,9 @@ class CacheBlendSettings(BaseModel):
         default=None, description="Penalty on tokens already in the prompt or answer (1.0 none); None: the model's."
     )
     seed: Optional[int] = Field(default=None, description="Sampling seed, for reproducible sampled answers.")
+    min_new_tokens: int = Field(
+        default=0, description="End-of-sequence is not sampled before the answer holds this many tokens."
+    )
 
     # The Hugging Face integrations' spellings a user brings (HuggingFaceLLM, ChatHuggingFace): accepted,
     # and turned into these fields (see _hugging_face_spellings).
@@ -211,7 +214,8 @@ class CacheBlendSettings(BaseModel):
     def _validate_then_open(self) -> "CacheBlendSettings":
         # ConfigError is a ValueError, so pydantic reports it with the field, value and allowed range.
         build_strategy(self.blend_config)
-        self.generation_config_with(1, None, {})  # the sampling fields, checked by GenerationConfig
+        # The sampling fields, checked by GenerationConfig against the answer's length when it is set.
+        self.generation_config_with(getattr(self, self._max_tokens_field, None) or max(1, self.min_new_tokens), None, {})
         self._validate_settings()
         # Only now, with every setting checked, is the model loaded (seconds) and the store opened.
         self._service = self._open_service()
@@ -275,7 +279,7 @@ class CacheBlendSettings(BaseModel):
         return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()), **values)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "min_new_tokens")
 
 
 def _checked_as_given(values: dict[str, Any]) -> None:
@@ -287,9 +291,10 @@ def _checked_as_given(values: dict[str, Any]) -> None:
         BlendConfig(**blend)
     sampling = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
     if sampling:
-        GenerationConfig(max_new_tokens=1, **sampling)
+        # The answer's length is checked against min_new_tokens per call, where both are known.
+        GenerationConfig(max_new_tokens=max(1, int(sampling.get("min_new_tokens") or 0)), **sampling)
 _GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample",
-                    "seed"}
+                    "seed", "min_new_tokens"}
 
 
 def _hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str) -> dict[str, Any]:

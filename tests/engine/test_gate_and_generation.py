@@ -95,6 +95,27 @@ def test_eos_stops_generation(engine):
     assert out.finish_reason == "eos" and out.token_ids == [] and out.text == ""
 
 
+def test_min_new_tokens_holds_eos_back_until_reached(engine):
+    segments = _prompt(engine)
+    first = engine.generate(segments, max_new_tokens=1).token_ids[0]
+    engine.model.generation_config.eos_token_id = first
+    try:
+        out = engine.generate(segments, max_new_tokens=6, min_new_tokens=6)
+        early = engine.generate(segments, max_new_tokens=6, min_new_tokens=2)
+    finally:
+        engine.model.generation_config.eos_token_id = engine.tokenizer.eos_token_id
+    assert out.finish_reason == "length" and len(out.token_ids) == 6 and first not in out.token_ids
+    assert len(early.token_ids) >= 2 and first not in early.token_ids[:2]
+
+
+def test_min_new_tokens_above_max_new_tokens_is_refused():
+    from cacheblend_rag import GenerationConfig
+    from cacheblend_rag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_new_tokens=9 is above max_new_tokens=4"):
+        GenerationConfig(max_new_tokens=4, min_new_tokens=9)
+
+
 def test_sampling_is_reproducible_with_seed(engine):
     segments = _prompt(engine)
     a = engine.generate(segments, max_new_tokens=12, temperature=1.5, top_p=0.9, top_k=50, seed=3)

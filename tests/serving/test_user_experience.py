@@ -46,11 +46,11 @@ def model_folder(tmp_path_factory):
 def test_hugging_face_spellings_are_honoured(cls, model_folder):
     llm = cls(model_name=str(model_folder), device_map="auto", torch_dtype="float32",
               model_kwargs={"attn_implementation": "eager"},
-              generate_kwargs={"do_sample": False, "max_new_tokens": 7, "repetition_penalty": 1.2})
+              generate_kwargs={"do_sample": False, "max_new_tokens": 7, "repetition_penalty": 1.2, "min_new_tokens": 2})
     # device_map='auto' is the one device it maps to here (tests/serving/test_first_hour.py says how it is told)
     assert llm.model == str(model_folder) and llm.device == str(resolve_device(None)) and llm.dtype == "float32"
     assert llm.engine.model.config._attn_implementation == "eager"
-    assert llm.temperature == 0.0 and llm.repetition_penalty == 1.2
+    assert llm.temperature == 0.0 and llm.repetition_penalty == 1.2 and llm.min_new_tokens == 2
     assert getattr(llm, llm._max_tokens_field) == 7
 
 
@@ -69,6 +69,8 @@ def test_what_cannot_be_honoured_is_an_error_that_says_what_to_use(cls, engine, 
 
 def test_call_options_are_checked_too(engine):
     llm = CacheBlendLLM.from_engine(engine, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"min_new_tokens=5 is above max_new_tokens=3"):
+        llm.complete("Hello", min_new_tokens=5)
     with pytest.raises(ValueError, match=r"'recompute_ration' \(did you mean 'recompute_ratio'\?\)"):
         llm.complete("Hello", recompute_ration=0.3)
     with pytest.raises(ValueError, match=r"recompute_ratio=5 is out of range"):
