@@ -8,6 +8,9 @@ once (in memory); each method is timed ``--repeats`` times to its first sampled 
 the median is reported.
 
     .venv/bin/python benchmarks/bench_engine.py --chunks 6 --chunk-tokens 500
+
+``bench_engine_scale.py`` times the same prompt with chunk KV from the disk store, the methods
+taking turns, against the work bound of the model's shapes (e.g. the 1.5B quality model).
 """
 
 from __future__ import annotations
