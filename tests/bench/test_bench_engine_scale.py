@@ -72,8 +72,9 @@ def test_bench_reports_every_method_with_phases_and_the_bound(scale_bench, tmp_p
     engine = tiny_engine()
     out = tmp_path / "report.json"
     argv = ["--chunks", "2", "--chunk-tokens", "40", "--repeats", "1", "--store", store, "--out", str(out),
-            "--no-progress"]
+            "--no-progress", "--plot", str(tmp_path / "bars.png")]
     assert scale_bench.main(argv, engine=engine) == 0
+    assert (tmp_path / "bars.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads(out.read_text())
     assert report["store"] == store and report["chunks"] == 2 and report["interleaved"]
     assert report["prompt_tokens"] == report["fresh_tokens"] + 80
