@@ -8,6 +8,9 @@ once (in memory); each method is timed ``--repeats`` times to its first sampled 
 the median is reported.
 
     .venv/bin/python benchmarks/bench_engine.py --chunks 6 --chunk-tokens 500
+
+``bench_engine_scale.py`` times the same prompt with chunk KV from the disk store, the methods
+taking turns, against the work bound of the model's shapes (e.g. the 1.5B quality model).
 """
 
 from __future__ import annotations
@@ -73,6 +76,19 @@ def git_commit() -> str | None:
         return None
 
 
+def machine(engine: CacheBlendEngine) -> dict[str, object]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -117,16 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             "blend_1.0_slowdown_at_most": 1.1,
             "met": results["blend_0.15"]["speedup"] >= 4.5 and results["blend_1.0"]["ttft_s"] <= 1.1 * full_s,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "device": str(engine.device),
-            "dtype": str(engine.dtype),
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        },
+        "machine": machine(engine),
         "git_commit": git_commit(),
     }
     print(json.dumps(report, indent=2))

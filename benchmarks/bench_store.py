@@ -92,6 +92,8 @@ class Mode:
         self.config = config  # None: the engine's own
         self.times: list[float] = []
         self.waits: list[float] = []
+        self.timings: list[dict[str, float]] = []  # each run's per-phase engine timings
+        self.engine_modes: set[str] = set()  # "blend", "full_reuse" or "full_prefill" (a fallback shows here)
         self.hits = self.misses = 0
 
     def run(self, record: bool = True) -> None:
@@ -109,6 +111,8 @@ class Mode:
         if record:
             self.times.append(elapsed)
             self.waits.append(result.stats.timings.get("load_wait", 0.0))
+            self.timings.append(dict(result.stats.timings))
+            self.engine_modes.add(result.stats.mode)
             self.hits, self.misses = result.stats.cache_hits, result.stats.cache_misses
 
     def summary(self) -> dict:
@@ -116,14 +120,21 @@ class Mode:
                 "load_wait_ms": 1000 * statistics.median(self.waits), "hits": self.hits, "misses": self.misses}
 
 
-def run_interleaved(modes: dict[str, Mode], repeats: int) -> dict[str, dict]:
+def run_interleaved(modes: dict[str, Mode], repeats: int, *, show_progress: bool = False) -> dict[str, dict]:
     """One warm-up each (it also runs the one-time correctness gate), then the modes take turns,
     so that a change in machine load during the run touches every mode alike."""
-    for mode in modes.values():
-        mode.run(record=False)
-    for _ in range(repeats):
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(modes) * (repeats + 1), desc="runs (warm-up first)", unit="run",
+              disable=not show_progress) as bar:
         for mode in modes.values():
-            mode.run()
+            mode.run(record=False)
+            bar.update()
+        for _ in range(repeats):
+            for name, mode in modes.items():
+                bar.set_postfix_str(name)
+                mode.run()
+                bar.update()
     return {name: mode.summary() for name, mode in modes.items()}
 
 

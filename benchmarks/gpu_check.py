@@ -5,15 +5,19 @@ Where CUDA is present (under five minutes on one GPU):
 1. correctness: the half-precision invariant tests (``tests/engine/test_half_precision.py``:
    ratio 1.0 against full prefill, ratio 0 against concatenation, the store round trip,
    deterministic selection, the correctness gate) run on the GPU, then SmolLM2 in bfloat16 on the
-   GPU passes its correctness gate and blends from a disk store exactly as from memory;
+   GPU passes its correctness gate and blends from a disk store exactly as from memory; so does
+   the quality model, Qwen2.5-Coder-1.5B-Instruct (``qwen2.5-coder-1.5b``), when it is installed
+   on this machine (``make quality-model``; this script never fetches it, and says so when it
+   skips it);
 2. speed: TTFT of full prefill, full reuse, plain CacheBlend at 0.15 (``kv_deviation``) and the
    default at 0.15 (``query_profiled``), chunk KV in GPU memory and in a disk store (pinned
-   host memory, copied layer by layer on a side stream), on SmolLM2-135M and on a randomly
+   host memory, copied layer by layer on a side stream), on SmolLM2-135M, on a randomly
    initialised Llama of about 1.2B parameters built from a config (no download; its answers mean
-   nothing, its timing is a real 1B model's).
+   nothing, its timing is a real 1B model's) and on the quality model when installed.
 
 Where CUDA is absent it says so and exits 0. ``--device cpu --smoke`` runs every step on tiny
-models on the CPU, to check the script itself. Prints the table, then JSON.
+models on the CPU, to check the script itself (a tiny Qwen2 stands in for the quality model).
+Prints the table, then JSON.
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ from typing import Any, Callable
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
+from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.models import catalog
+from cacheblend_rag.models.loader import cache_root
 from cacheblend_rag.store import ChunkCache
 
 REPO = Path(__file__).resolve().parents[1]
+QUALITY_MODEL = "qwen2.5-coder-1.5b"
 METHODS = {
     "full reuse": BlendConfig(recompute_ratio=0.0),
     "CacheBlend@0.15": BlendConfig(recompute_ratio=0.15, selection="kv_deviation"),
@@ -109,6 +117,43 @@ def check_store_round_trip(engine: CacheBlendEngine, prompt: Prompt) -> dict[str
     return {"passed": all(results.values()), "equal_by_method": results}
 
 
+def check_correctness(engine: CacheBlendEngine, chunk_tokens: int) -> dict[str, Any]:
+    """The model's correctness gate (ratio 1.0 against full prefill) and a disk-store round trip."""
+    passed, error = engine.run_gate(BlendConfig())
+    trip = check_store_round_trip(engine, random_prompt(engine.model.config.vocab_size, 3, min(chunk_tokens, 200)))
+    return {"model": engine.model_name, "passed": passed, "relative_error": error, "store_round_trip": trip}
+
+
+def installed_quality_model() -> tuple[Path | None, str]:
+    """The quality model's fetched GGUF, or ``None`` and why not. Never fetches: that is
+    ``make quality-model``'s job, and a GPU check must not download a gigabyte."""
+    model = catalog.lookup(QUALITY_MODEL)
+    if model is None:
+        return None, f"{QUALITY_MODEL} is not in the model catalog"
+    try:
+        path = catalog.installed_gguf(model, cache_root())
+    except ModelLoadError as exc:
+        return None, str(exc)
+    return path, f"{model.name} is installed ({path})"
+
+
+def quality_engine(device: torch.device, dtype: torch.dtype, smoke: bool) -> tuple[CacheBlendEngine | None, str]:
+    """The quality model in ``dtype`` on ``device`` when it is installed (a tiny Qwen2 in a smoke run), and a line saying so."""
+    if smoke:
+        from cacheblend_rag.testing import tiny_engine
+
+        engine = tiny_engine("qwen2", dtype=dtype, device=device)
+        engine.model_name = f"tiny Qwen2 (smoke, for {QUALITY_MODEL})"
+        return engine, f"smoke run: a tiny Qwen2 stands in for the quality model {QUALITY_MODEL}"
+    path, why = installed_quality_model()
+    if path is None:
+        return None, (f"the quality model is not installed here, so its correctness check and TTFT are skipped "
+                      f"({why})")
+    started = time.perf_counter()
+    engine = CacheBlendEngine.from_pretrained(QUALITY_MODEL, device=device, dtype=dtype)
+    return engine, f"{why}, loaded in {time.perf_counter() - started:.0f} s"
+
+
 # ------------------------------------------------------------------ speed
 def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict[str, Any]:
     device = engine.device
@@ -166,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CUDA is not available here (torch {torch.__version__}, "
               f"{'a CPU build' if torch.version.cuda is None else 'no visible GPU'}): nothing to check. "
               "Run `make gpu-check` on a machine with a GPU.")
+        path, why = installed_quality_model()
+        print(f"There it also checks the quality model: {why}." if path is not None else
+              f"There it would skip the quality model: {why}.")
         return 0
     dtype = getattr(torch, args.dtype)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -184,16 +232,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         small = CacheBlendEngine.from_pretrained(device=device, dtype=dtype)
         chunks, chunk_tokens, repeats = args.chunks, args.chunk_tokens, args.repeats
-    vocab = small.model.config.vocab_size
-    passed, error = small.run_gate(BlendConfig())
-    report["gate"] = {"model": small.model_name, "passed": passed, "relative_error": error}
-    report["store_round_trip"] = check_store_round_trip(small, random_prompt(vocab, 3, min(chunk_tokens, 200)))
-    print(f"2. {small.model_name} {args.dtype}: correctness gate passed={passed} (relative error {error:.2e}); "
-          f"disk store round trip equal to memory: {report['store_round_trip']['passed']}", flush=True)
+    checked = check_correctness(small, chunk_tokens)
+    report["store_round_trip"] = checked.pop("store_round_trip")
+    report["gate"] = checked
+    passed = checked["passed"]
+    print(f"2. {small.model_name} {args.dtype}: correctness gate passed={passed} (relative error "
+          f"{checked['relative_error']:.2e}); disk store round trip equal to memory: "
+          f"{report['store_round_trip']['passed']}", flush=True)
+    quality, why = quality_engine(device, dtype, args.smoke)
+    report["quality_model"] = {"name": QUALITY_MODEL, "checked": quality is not None, "note": why}
+    print(f"2. {why}", flush=True)
+    if quality is not None:
+        report["quality_model"].update(check_correctness(quality, chunk_tokens))
+        trip = report["quality_model"]["store_round_trip"]["passed"]
+        print(f"2. {quality.model_name} {args.dtype}: correctness gate passed={report['quality_model']['passed']} "
+              f"(relative error {report['quality_model']['relative_error']:.2e}); disk store round trip equal to "
+              f"memory: {trip}", flush=True)
 
     rows = []
     big = random_llama(device, dtype, args.smoke)
-    for engine in (small, big):
+    for engine in (small, big, *([quality] if quality is not None else [])):
         prompt = random_prompt(engine.model.config.vocab_size, chunks, chunk_tokens, seed=1)
         row = time_methods(engine, prompt, repeats)
         rows.append({"model": engine.model_name, "dtype": args.dtype, **row})
@@ -206,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
     ok = report["invariant_tests"]["passed"] and passed and report["store_round_trip"]["passed"]
+    if quality is not None:
+        ok = ok and report["quality_model"]["passed"] and report["quality_model"]["store_round_trip"]["passed"]
     return 0 if ok else 1
 
 

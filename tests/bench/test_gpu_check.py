@@ -32,4 +32,74 @@ def test_every_step_runs_on_tiny_models_on_the_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["invariant_tests"]["passed"] and report["gate"]["passed"] and report["store_round_trip"]["passed"]
     assert [row["model"] for row in report["ttft"]][0] == "tiny Llama (smoke)"
+    # A tiny Qwen2 stands in for the quality model: its correctness check and TTFT row run too.
+    quality = report["quality_model"]
+    assert quality["checked"] and quality["passed"] and quality["store_round_trip"]["passed"]
+    assert report["ttft"][-1]["model"] == "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)"
     assert all(row["full prefill"] > 0 and row["default@0.15 (disk)"] > 0 for row in report["ttft"])
+
+
+# ------------------------------------------------------------------ the quality model, without CUDA
+@pytest.fixture
+def gpu_check(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _installed(monkeypatch, module, path):
+    """Make the catalog say the quality model is fetched at ``path`` (``None``: not fetched)."""
+    from cacheblend_rag.errors import ModelLoadError
+
+    def installed_gguf(model, root):
+        assert model.name == module.QUALITY_MODEL
+        if path is None:
+            raise ModelLoadError(f"model {model.name!r} is not fetched on this machine; fetch it once with make")
+        return path
+
+    monkeypatch.setattr(module.catalog, "installed_gguf", installed_gguf)
+    # Loading would read real weights: a tiny engine stands in, and the test sees what was asked for.
+    asked = []
+
+    def from_pretrained(name, **kwargs):
+        from cacheblend_rag.testing import tiny_engine
+
+        asked.append((name, kwargs))
+        return tiny_engine("qwen2")
+
+    monkeypatch.setattr(module.CacheBlendEngine, "from_pretrained", staticmethod(from_pretrained))
+    return asked
+
+
+def test_the_quality_model_is_used_when_installed(gpu_check, monkeypatch, tmp_path):
+    gguf = tmp_path / "qwen.gguf"
+    asked = _installed(monkeypatch, gpu_check, gguf)
+    assert gpu_check.installed_quality_model() == (gguf, f"qwen2.5-coder-1.5b is installed ({gguf})")
+    engine, line = gpu_check.quality_engine(torch.device("cpu"), torch.bfloat16, smoke=False)
+    assert engine is not None and "is installed" in line
+    assert asked == [("qwen2.5-coder-1.5b", {"device": torch.device("cpu"), "dtype": torch.bfloat16})]
+
+
+def test_the_quality_model_is_skipped_with_a_clear_line_when_not_installed(gpu_check, monkeypatch):
+    asked = _installed(monkeypatch, gpu_check, None)
+    path, why = gpu_check.installed_quality_model()
+    assert path is None and "not fetched on this machine" in why
+    engine, line = gpu_check.quality_engine(torch.device("cpu"), torch.bfloat16, smoke=False)
+    assert engine is None and asked == []  # never loaded, never fetched
+    assert line.startswith("the quality model is not installed here, so its correctness check and TTFT are skipped")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("installed", [True, False])
+def test_without_cuda_it_says_what_it_would_do_with_the_quality_model(gpu_check, monkeypatch, tmp_path, capsys,
+                                                                      installed):
+    asked = _installed(monkeypatch, gpu_check, tmp_path / "qwen.gguf" if installed else None)
+    assert gpu_check.main([]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA is not available here" in out and asked == []
+    expected = "There it also checks the quality model" if installed else "There it would skip the quality model"
+    assert expected in out
