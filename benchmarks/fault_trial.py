@@ -443,30 +443,43 @@ def main(argv: list[str] | None = None) -> int:
     groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
               "index and files": _index_faults()}
     results: dict[str, list[dict[str, Any]]] = {}
+    seconds: dict[str, float] = {}  # each group's, from the end of the one before
+    mark = [time.perf_counter()]
+
+    def done(group: str) -> None:
+        seconds[group], mark[0] = round(time.perf_counter() - mark[0], 1), time.perf_counter()
+
     with tqdm(total=sum(map(len, groups.values())) + 4, desc="faults") as progress:
         for group, faults in groups.items() if "store" not in args.skip else ():
             results[group] = []
             for name, fault in faults.items():
                 results[group].append(_run_store_fault(trial, name, fault))
                 progress.update()
+            done(group)
         if "store" not in args.skip:
             results["eviction"] = _eviction_faults(trial)
             progress.update(2)
+            done("eviction")
             results["weights"] = _run_weight_faults(trial)
             progress.update(2)
+            done("weights")
         answer = lambda cache, blend_only=False: _answer(engine, segments, cache, blend_only=blend_only)  # noqa: E731
         if "file systems" not in args.skip:
             results["file systems"] = fault_trial_env.file_system_faults(
                 trial, answer, lambda path: _cache(engine, path), TOLERANCE)
+            done("file systems")
         if "redis" not in args.skip:
             results["redis"] = fault_trial_env.redis_faults(trial, answer, TOLERANCE)
+            done("redis")
         if "load" not in args.skip:
             results["load"] = fault_trial_env.load_case(trial, _load_texts(args.data, engine, args.load_tokens),
                                                         _questions(args.data))
+            done("load")
     intact = victim.read_text() == "precious"
     shutil.rmtree(root, ignore_errors=True)
 
-    summary = {group: {"tried": len(rows), "survived": sum(r["survived"] for r in rows)} for group, rows in results.items()}
+    summary = {group: {"tried": len(rows), "survived": sum(r["survived"] for r in rows), "seconds": seconds[group]}
+               for group, rows in results.items()}
     report = {
         "benchmark": "fault_trial", "model": engine.model_name, "chunks": len(chunks),
         "chunk_tokens": [len(c) for c in chunks], "load_passage_tokens": args.load_tokens or "whole",
