@@ -172,11 +172,8 @@ def test_the_readme_installs_in_a_fresh_virtualenv_and_every_first_snippet_runs_
 def _install_and_run_each(home: Path, sources: Path) -> None:
     install, _ = readme_blocks(ROOT_README)
     # PIP_VERBOSE shows the build backends' output, where packaging deprecations are printed.
-    # PIP_COMPILE=0 (pip's --no-compile; PIP_NO_COMPILE=1 would mean the opposite) leaves the bytecode
-    # of the ~15,000 installed files to the first import that needs it: nothing a check looks at (pip
-    # ignores a file that does not compile; the snippets below import what they use).
     done = subprocess.run(["bash", "-c", _as_local_script(install, sources)], cwd=home, capture_output=True,
-                          text=True, env=_clean_env(home, PIP_VERBOSE="1", PIP_COMPILE="0"), timeout=2400)
+                          text=True, env=_clean_env(home, PIP_VERBOSE="1"), timeout=2400)
     assert done.returncode == 0, f"install failed\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     warned = [line for line in (done.stdout + done.stderr).splitlines()
               if re.search(r"SetuptoolsDeprecationWarning|project\.license|License classifiers", line)]
