@@ -2,6 +2,10 @@
 then answer from it, and check that nothing broke (prints JSON, then a Markdown table).
 
     .venv/bin/python benchmarks/fault_trial.py [--data ../shared/data/musique_dev.json] [--out trial.json]
+        [--chunk-tokens 120] [--load-tokens N]
+
+The test suite runs every case too, on shorter passages (``--chunk-tokens 32 --load-tokens 48``):
+no fault is left out, only the work of each request is smaller.
 
 For each fault a copy of one healthy store is damaged, reopened (as a restarting replica would)
 and a prompt over its 4 chunks (MuSiQue passages when the file is there, else the demo corpus) is
@@ -374,14 +378,37 @@ def _texts(data: Path) -> list[str]:
     return [f"{doc.title}\n{doc.text}\n" for doc in load_demo_corpus()[:4]]
 
 
+def _load_texts(data: Path, engine: CacheBlendEngine, tokens: int | None) -> list[str]:
+    """The load case's passages: whole, or their first ``tokens`` tokens (still one passage per line block)."""
+    texts = _texts(data)
+    if tokens is None:
+        return texts
+    return [engine.tokenizer.decode(engine.tokenize(t)[:tokens]).rstrip() + "\n" for t in texts]
+
+
 def _questions(data: Path) -> list[str]:
     if data.exists():
         return [q["question"] for q in json.loads(data.read_text())[:4]]
     return ["Who is named first?", "Where is it?", "When was it?", "What is it?"]
 
 
-def _passages(data: Path, engine: CacheBlendEngine) -> list[list[int]]:
-    return [engine.tokenize(t)[:120] for t in _texts(data)]
+def _passages(data: Path, engine: CacheBlendEngine, tokens: int) -> list[list[int]]:
+    passages = [engine.tokenize(t)[:tokens] for t in _texts(data)]
+    if len({len(p) for p in passages}) != 1:
+        # The eviction cases size the store's limit from one chunk: the four must be of one size.
+        raise SystemExit(f"--chunk-tokens {tokens} is longer than a passage ({[len(p) for p in passages]} tokens); "
+                         "pass a smaller one")
+    return passages
+
+
+def _at_least(smallest: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < smallest:
+            raise argparse.ArgumentTypeError(f"{value} is too small: at least {smallest} tokens, so that each layer "
+                                             "of a chunk is a file of its own (the index faults damage those files)")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["store", "file systems", "redis", "load"],
                         help="groups to leave out (store: the damaged-store, eviction and weight faults; file "
                              "systems need root, redis and load need redis-server)")
+    parser.add_argument("--chunk-tokens", type=_at_least(8), default=120,
+                        help="tokens of each of the 4 stored chunks (a passage's first ones)")
+    parser.add_argument("--load-tokens", type=_at_least(8), default=None,
+                        help="cut the load case's passages to their first N tokens (default: whole passages)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
@@ -398,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     victim = root / "outside" / "victim.txt"
     victim.parent.mkdir()
     victim.write_text("precious")
-    chunks = _passages(args.data, engine)
+    chunks = _passages(args.data, engine, args.chunk_tokens)
     segments = [FreshSegment(engine.tokenize("<|im_start|>user\nPassages:\n")), *map(StoredSegment, chunks),
                 FreshSegment(engine.tokenize("Question: what do the passages name first?<|im_end|>\n"
                                              "<|im_start|>assistant\n"))]
@@ -412,32 +443,47 @@ def main(argv: list[str] | None = None) -> int:
     groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
               "index and files": _index_faults()}
     results: dict[str, list[dict[str, Any]]] = {}
+    seconds: dict[str, float] = {}  # each group's, from the end of the one before
+    mark = [time.perf_counter()]
+
+    def done(group: str) -> None:
+        seconds[group], mark[0] = round(time.perf_counter() - mark[0], 1), time.perf_counter()
+
     with tqdm(total=sum(map(len, groups.values())) + 4, desc="faults") as progress:
         for group, faults in groups.items() if "store" not in args.skip else ():
             results[group] = []
             for name, fault in faults.items():
                 results[group].append(_run_store_fault(trial, name, fault))
                 progress.update()
+            done(group)
         if "store" not in args.skip:
             results["eviction"] = _eviction_faults(trial)
             progress.update(2)
+            done("eviction")
             results["weights"] = _run_weight_faults(trial)
             progress.update(2)
+            done("weights")
         answer = lambda cache, blend_only=False: _answer(engine, segments, cache, blend_only=blend_only)  # noqa: E731
         if "file systems" not in args.skip:
             results["file systems"] = fault_trial_env.file_system_faults(
                 trial, answer, lambda path: _cache(engine, path), TOLERANCE)
+            done("file systems")
         if "redis" not in args.skip:
             results["redis"] = fault_trial_env.redis_faults(trial, answer, TOLERANCE)
+            done("redis")
         if "load" not in args.skip:
-            results["load"] = fault_trial_env.load_case(trial, _texts(args.data)[:4], _questions(args.data))
+            results["load"] = fault_trial_env.load_case(trial, _load_texts(args.data, engine, args.load_tokens),
+                                                        _questions(args.data))
+            done("load")
     intact = victim.read_text() == "precious"
     shutil.rmtree(root, ignore_errors=True)
 
-    summary = {group: {"tried": len(rows), "survived": sum(r["survived"] for r in rows)} for group, rows in results.items()}
+    summary = {group: {"tried": len(rows), "survived": sum(r["survived"] for r in rows), "seconds": seconds[group]}
+               for group, rows in results.items()}
     report = {
         "benchmark": "fault_trial", "model": engine.model_name, "chunks": len(chunks),
-        "chunk_tokens": [len(c) for c in chunks], "store": "disk, float32 (bit-exact recompute)",
+        "chunk_tokens": [len(c) for c in chunks], "load_passage_tokens": args.load_tokens or "whole",
+        "store": "disk, float32 (bit-exact recompute)",
         "summary": summary,
         "total": {"tried": sum(s["tried"] for s in summary.values()),
                   "survived": sum(s["survived"] for s in summary.values())},
@@ -452,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, rows in results.items():
         for r in rows:
             keys = ("corrupt", "evictions", "reused", "hits", "load_failures", "entries", "writes_skipped",
-                    "files_left_by_failed_writes", "healthy_p95_s", "cold_p95_s", "stopped_p95_s", "bound_s", "hits_resumed_after_s",
+                    "files_left_by_failed_writes", "chunks_complete_at_kill", "healthy_p95_s", "cold_p95_s", "stopped_p95_s", "bound_s", "hits_resumed_after_s",
                     "seconds", "requests", "entries_after")
             note = r.get("error") or ", ".join(f"{k}={r[k]}" for k in keys if k in r)
             print(f"| {group}: {r['fault']} | {'yes' if r['survived'] else '**no**'} | {note} |")

@@ -157,16 +157,20 @@ def file_system_faults(trial: Any, answer: Callable, cache_for: Callable, tolera
         shutil.rmtree(path, ignore_errors=True)
         child = subprocess.Popen([sys.executable, __file__, "warm-slowly", str(path), repr(trial.chunks)],
                                  stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().startswith("chunk 0")  # one chunk complete, the next being written
-        time.sleep(random.uniform(0.2, 0.6))
+        said = [child.stdout.readline().split() for _ in range(2)]
+        assert [words[:2] for words in said] == [["chunk", "0"], ["chunk", "1"]]  # two chunks complete
+        # Up to what the second chunk took (the first also paid for the first forward) times 1.6, so
+        # that the kill lands while the last two are being warmed, whatever the chunks' length.
+        time.sleep(random.uniform(0.2, 1.6) * float(said[1][2]))
         child.send_signal(signal.SIGKILL)
         child.wait()
+        complete = 2 + len(child.stdout.read().splitlines())
         with cache_for(path) as cache:
             logits, text, stats = answer(cache)
             cache.flush()
             after = cache.stats()
         same = _same(trial, logits, text, tolerance)
-        return dict(answer_same=same, hits=stats.cache_hits, corrupt=after.corrupt,
+        return dict(answer_same=same, hits=stats.cache_hits, corrupt=after.corrupt, chunks_complete_at_kill=complete,
                     survived=same and stats.cache_hits >= 1 and after.corrupt == 0 and after.entries == 4)
 
     cases = {"full disk (tmpfs) at open": full_at_open, "full disk (tmpfs) during write-back": full_at_write_back,
@@ -182,8 +186,9 @@ def _warm_slowly(path: str, chunks: str) -> None:
     engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
     with ChunkCache(engine, DiskKVStore(path), storage_dtype="float32") as cache:
         for i, ids in enumerate(eval(chunks)):  # noqa: S307  (our own list of ints)
+            started = time.perf_counter()
             cache.warm([ids])
-            print(f"chunk {i}", flush=True)
+            print(f"chunk {i} {time.perf_counter() - started:.3f}", flush=True)
 
 
 # --------------------------------------------------------------------------- Redis
