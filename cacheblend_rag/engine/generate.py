@@ -62,7 +62,9 @@ class TokenSampler:
         if self.constraint is not None:
             logits = self.constraint.mask(logits, generated)
         if self.eos and len(generated) < cfg.min_new_tokens:
-            logits = logits.index_fill(-1, torch.tensor(self.eos, device=logits.device), float("-inf"))
+            held = logits.index_fill(-1, torch.tensor(self.eos, device=logits.device), float("-inf"))
+            # A finished JSON answer allows only end-of-sequence: then it ends, min_new_tokens or not.
+            logits = held if bool(torch.isfinite(held).any()) else logits
         if cfg.repetition_penalty != 1.0:
             self.seen.update(generated[-1:])
             if self.seen:

@@ -46,6 +46,20 @@ def test_constrained_json_always_parses_whatever_the_budget(engine):
         assert len(result.token_ids) <= budget
 
 
+def test_min_new_tokens_does_not_keep_a_finished_json_answer_open():
+    """Once the JSON is complete its constraint allows only end-of-sequence; min_new_tokens must not
+    mask that too (every token impossible) but let the answer end."""
+    from cacheblend_rag.engine.generate import TokenSampler
+
+    class OnlyEos:
+        def mask(self, logits, generated):
+            return torch.full_like(logits, float("-inf")).index_fill(-1, torch.tensor([2]), 0.0)
+
+    cfg = GenerationConfig(max_new_tokens=8, min_new_tokens=8).resolved()
+    assert TokenSampler(cfg, constraint=OnlyEos(), eos=[2])(torch.randn(10), [5]) == 2
+    assert TokenSampler(cfg, eos=[2])(torch.arange(10.0).flip(0).roll(-8), [5]) != 2  # unconstrained: held back
+
+
 def test_a_budget_too_small_for_any_json_is_cut_not_broken(engine):
     fewest = _fewest_tokens(engine, SCHEMA)
     result = engine.generate(_prompt(engine, "Is water wet?"), max_new_tokens=fewest - 1, json_schema=json.dumps(SCHEMA))
