@@ -61,7 +61,7 @@ def own_bound(engine: CacheBlendEngine, shapes: LayerShapes, cfg: BlendConfig | 
     profile = strategy.needs.profile
     if check_layer == 0 and profile is None:
         return None
-    tokens = profile.question_tokens if check_layer == 0 and profile is not None else None
+    tokens = profile.question_tokens if check_layer == 0 else None
     return work_bound(shapes, n, fresh, cfg.recompute_ratio, check_layer=check_layer, profile_tokens=tokens)["bound"]
 
 

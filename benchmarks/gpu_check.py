@@ -124,6 +124,12 @@ def check_correctness(engine: CacheBlendEngine, chunk_tokens: int) -> dict[str, 
     return {"model": engine.model_name, "passed": passed, "relative_error": error, "store_round_trip": trip}
 
 
+def correctness_line(checked: dict[str, Any], dtype: str) -> str:
+    return (f"2. {checked['model']} {dtype}: correctness gate passed={checked['passed']} (relative error "
+            f"{checked['relative_error']:.2e}); disk store round trip equal to memory: "
+            f"{checked['store_round_trip']['passed']}")
+
+
 def installed_quality_model() -> tuple[Path | None, str]:
     """The quality model's fetched GGUF, or ``None`` and why not. Never fetches: that is
     ``make quality-model``'s job, and a GPU check must not download a gigabyte."""
@@ -233,21 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         small = CacheBlendEngine.from_pretrained(device=device, dtype=dtype)
         chunks, chunk_tokens, repeats = args.chunks, args.chunk_tokens, args.repeats
     checked = check_correctness(small, chunk_tokens)
+    print(correctness_line(checked, args.dtype), flush=True)
     report["store_round_trip"] = checked.pop("store_round_trip")
     report["gate"] = checked
     passed = checked["passed"]
-    print(f"2. {small.model_name} {args.dtype}: correctness gate passed={passed} (relative error "
-          f"{checked['relative_error']:.2e}); disk store round trip equal to memory: "
-          f"{report['store_round_trip']['passed']}", flush=True)
     quality, why = quality_engine(device, dtype, args.smoke)
     report["quality_model"] = {"name": QUALITY_MODEL, "checked": quality is not None, "note": why}
     print(f"2. {why}", flush=True)
     if quality is not None:
         report["quality_model"].update(check_correctness(quality, chunk_tokens))
-        trip = report["quality_model"]["store_round_trip"]["passed"]
-        print(f"2. {quality.model_name} {args.dtype}: correctness gate passed={report['quality_model']['passed']} "
-              f"(relative error {report['quality_model']['relative_error']:.2e}); disk store round trip equal to "
-              f"memory: {trip}", flush=True)
+        print(correctness_line(report["quality_model"], args.dtype), flush=True)
 
     rows = []
     big = random_llama(device, dtype, args.smoke)
