@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import gate
 from cacheblend_rag.engine.blend_run import BlendRun
+from cacheblend_rag.engine.calibrated import CalibratedSetting, describe_config, load_calibration
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.engine.kv_source import open_cached_source
 from cacheblend_rag.engine.layout import PromptLayout
@@ -75,11 +76,18 @@ class CacheBlendEngine:
         adapter: DecoderAdapter | None = None,
         model_name: str | None = None,
         min_blend_tokens: int = DEFAULT_MIN_BLEND_TOKENS,
+        calibration_dir: str | None = None,
     ) -> None:
+        """``config``: the blend setting of calls that pass none; without it, the setting
+        ``cacheblend-rag calibrate`` saved for this model (in ``calibration_dir``, else
+        ``$CACHEBLEND_CALIBRATION_DIR``, else the cache's ``calibration`` folder) or the built-in one
+        (:meth:`default_config`, :attr:`config_source`)."""
         self.model = model.eval()
         self.min_blend_tokens = BlendConfig(min_blend_tokens=min_blend_tokens).min_blend_tokens  # validated
         self.tokenizer = tokenizer
         self.config = config or BlendConfig()
+        self.config_given = config is not None
+        self.calibration_dir = calibration_dir
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or model.config.model_type
         self.unsupported_reason: str | None = None
         if adapter is None:
@@ -110,6 +118,7 @@ class CacheBlendEngine:
         tokenizer: str | None = None,
         model_kwargs: dict[str, Any] | None = None,
         min_blend_tokens: int = DEFAULT_MIN_BLEND_TOKENS,
+        calibration_dir: str | None = None,
     ) -> "CacheBlendEngine":
         """Load a model (default: the embedded SmolLM2-135M-Instruct) and wrap it; the options are
         :func:`cacheblend_rag.models.load_model`'s. ``min_blend_tokens``: prompts with fewer cached
@@ -119,7 +128,7 @@ class CacheBlendEngine:
         loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False, tokenizer=tokenizer,
                             model_kwargs=model_kwargs)
         return cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name,
-                   min_blend_tokens=min_blend_tokens)
+                   min_blend_tokens=min_blend_tokens, calibration_dir=calibration_dir)
 
     @property
     def fingerprint(self) -> str:
@@ -138,6 +147,30 @@ class CacheBlendEngine:
             self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.dtype)
             self._stamp = stamp
         return self._fingerprint
+
+    # ------------------------------------------------------ the default setting
+    def calibration(self) -> CalibratedSetting | None:
+        """The setting saved by ``cacheblend-rag calibrate`` for this model's fingerprint, if any."""
+        if self.adapter is None:
+            return None
+        return load_calibration(self.fingerprint, self.calibration_dir)
+
+    def default_and_source(self) -> tuple[BlendConfig, str]:
+        """The blend setting of calls that pass none, and where it comes from: ``"user"`` (the
+        engine's ``config``), ``"calibrated: <file>"`` or ``"built-in"``."""
+        if self.config_given:
+            return self.config, "user"
+        calibrated = self.calibration()
+        if calibrated is None:
+            return self.config, "built-in"
+        return calibrated.apply_to(self.config), calibrated.source
+
+    def default_config(self) -> BlendConfig:
+        return self.default_and_source()[0]
+
+    @property
+    def config_source(self) -> str:
+        return self.default_and_source()[1]
 
     @property
     def num_layers(self) -> int:
@@ -204,9 +237,17 @@ class CacheBlendEngine:
         config: BlendConfig | None = None,
         store: KVSourceProvider | None = None,
     ) -> BlendResult:
-        """Blend ``segments`` into next-token logits and a decoding cache (:mod:`~cacheblend_rag.engine.blend_run`)."""
+        """Blend ``segments`` into next-token logits and a decoding cache (:mod:`~cacheblend_rag.engine.blend_run`).
+        ``config``: this call's setting; ``None`` takes :meth:`default_config`. The stats name the
+        setting and its source (``blend_setting``, ``config_source``)."""
         started = time.perf_counter()
-        cfg = config or self.config
+        cfg, source = (config, "user") if config is not None else self.default_and_source()
+        result = self._blend(segments, cfg, store, started)
+        result.stats.blend_setting, result.stats.config_source = describe_config(cfg), source
+        return result
+
+    def _blend(self, segments: Iterable[SegmentLike], cfg: BlendConfig, store: KVSourceProvider | None,
+               started: float) -> BlendResult:
         segs = self._validate_segments(segments, store)
         if all(isinstance(s, FreshSegment) for s in segs):
             return self._prefill([t for s in segs for t in s.token_ids], started)

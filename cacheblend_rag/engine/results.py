@@ -31,6 +31,8 @@ class BlendStats:
     loaded_tokens: int = 0  # cached tokens whose KV came from the store (or was passed in), not computed here
     timings: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None
+    blend_setting: str | None = None  # the setting's short name, e.g. "query_profiled@0.15"
+    config_source: str | None = None  # "built-in", "user" or "calibrated: <file>"
 
     @property
     def reuse_fraction(self) -> float:
@@ -51,6 +53,8 @@ class BlendStats:
             "loaded_tokens": self.loaded_tokens,
             "timings": dict(self.timings),
             "fallback_reason": self.fallback_reason,
+            "blend_setting": self.blend_setting,
+            "config_source": self.config_source,
         }
 
 
