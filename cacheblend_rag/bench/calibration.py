@@ -1,0 +1,485 @@
+"""Calibration: the cheapest blend setting that keeps a model's answers close enough to full prefill.
+
+On a handful of prompts it measures full prefill (the reference: its greedy answer is the
+teacher), plain full reuse (the yardstick of recovery) and every candidate setting, the way the
+harness does (:mod:`cacheblend_rag.bench.harness`: same prompts, same stores, same requests):
+
+* fidelity: the mean per-token KL(full prefill || setting) along full prefill's first
+  ``teacher_tokens`` answer tokens, teacher-forced;
+* recovery: ``1 - mean KL(setting) / mean KL(full reuse)`` over the prompts (the harness's
+  summary); a prompt is *worse than full reuse* when its KL exceeds full reuse's on it;
+* cost: ``work`` (default, deterministic): the layer-units the setting computes, from the model's
+  shapes (:func:`cacheblend_rag.bench.bound.work_bound` with the tokens the engine really
+  recomputed, and the profile pass's tokens and layers), over full prefill's; or ``ttft``: the
+  measured TTFT over full prefill's.
+
+The chosen setting is the cheapest that meets the target (recovery at least ``target.recovery``
+and at most ``target.allow_worse`` prompts worse than full reuse). When none does, that is said
+(``target_met`` false, ``message``) and the best measured one (lowest KL) is chosen. The result is
+saved per model fingerprint (:mod:`cacheblend_rag.engine.calibrated`), where the engine and the
+integrations find it.
+
+Every measurement is written to a JSON state file as it is made (atomically: a stop leaves a
+valid file), keyed by the model's fingerprint, a hash of the prompt's token ids and the setting,
+so a rerun with ``resume=True`` skips what is there.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.bench.methods import parse_methods
+from cacheblend_rag.bench.metrics import mean_or_none, recovery, token_kl
+from cacheblend_rag.bench.prompt import BenchPrompt
+from cacheblend_rag.bench.requests import BlendRequest, FullPrefillRequest, RequestRun, run_request
+from cacheblend_rag.bench.stores import ChunkStoreFactory
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.blend import CacheBlendEngine
+from cacheblend_rag.engine.calibrated import (
+    CALIBRATED_FIELDS,
+    FORMAT,
+    VERSION,
+    calibration_dir,
+    describe_config,
+    save_calibration,
+    write_json_atomically,
+)
+from cacheblend_rag.engine.generate import eos_token_ids
+from cacheblend_rag.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CostKind = Literal["work", "ttft"]
+STATE_FORMAT = "cacheblend-rag-calibration-state"
+
+# The grid measured when the user names none; the lead edits it as research moves on. Each item
+# is a ``--methods`` item (NAME[+prefix]@RATIO). ``query_profiled+prefix`` is the integrations'
+# built-in default (chunks computed behind the prompt's lead); ``kv_deviation`` is CacheBlend as
+# published, chunks computed alone.
+DEFAULT_CANDIDATES: list[str] = [
+    *(f"query_profiled+prefix@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)),
+    *(f"kv_deviation@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)),
+]
+# Ratios of a --candidates item that pins none (e.g. "kv_deviation").
+CANDIDATE_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+
+
+# --------------------------------------------------------------------------- what is measured
+@dataclass(frozen=True)
+class Candidate:
+    """One setting: a BlendConfig and whether chunk KV is computed behind the prompt's lead."""
+
+    config: BlendConfig
+    condition_chunks: bool = False
+
+    @property
+    def name(self) -> str:
+        return describe_config(self.config, self.condition_chunks)
+
+    def fields(self) -> dict[str, Any]:
+        return {name: getattr(self.config, name) for name in CALIBRATED_FIELDS}
+
+    @property
+    def key(self) -> str:
+        """Stable across processes: the name (for a reader) and a digest of every calibrated field."""
+        blob = json.dumps({"fields": self.fields(), "condition_chunks": self.condition_chunks}, sort_keys=True)
+        return f"{self.name}#{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def parse_candidates(items: str | Sequence[str] | None = None, base: BlendConfig | None = None) -> list[Candidate]:
+    """``"kv_deviation@0.15,query_profiled+prefix@0.15"`` (``--methods`` items, :mod:`~cacheblend_rag.bench.methods`)
+    as candidates on ``base``; ``None``: :data:`DEFAULT_CANDIDATES`. A name without ``@RATIO`` takes
+    :data:`CANDIDATE_RATIOS`."""
+    text = ",".join(DEFAULT_CANDIDATES if items is None else ([items] if isinstance(items, str) else list(items)))
+    base = base or BlendConfig()
+    candidates: list[Candidate] = []
+    for spec in parse_methods(text, CANDIDATE_RATIOS):
+        if not spec.uses_chunk_cache:
+            raise ConfigError(f"--candidates: {spec.name} reuses no chunk KV, so it is no blend setting; it is "
+                              "measured anyway as the reference (drop it)")
+        if spec.storage:
+            raise ConfigError(f"--candidates: {spec.name}: a calibration measures blend settings, not storage "
+                              "codecs; drop ':{spec.storage}' (bench --methods compares codecs)")
+        candidate = Candidate(spec.blend_config(base), spec.prefix_conditioned)
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+@dataclass(frozen=True)
+class CalibrationTarget:
+    """recovery: the least recovery of full reuse's KL a setting must reach (0.8: 80%);
+    allow_worse: how many prompts may be worse than full reuse."""
+
+    recovery: float = 0.8
+    allow_worse: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recovery, bool) or not isinstance(self.recovery, (int, float)) or \
+                not math.isfinite(self.recovery) or self.recovery > 10:
+            raise ConfigError(f"target recovery={self.recovery!r} must be a number such as 0.8 (80% of full reuse's "
+                              "KL recovered); 1.0 asks for full prefill's quality")
+        if isinstance(self.allow_worse, bool) or not isinstance(self.allow_worse, int) or self.allow_worse < 0:
+            raise ConfigError(f"allow_worse={self.allow_worse!r} must be an integer >= 0 (prompts allowed to be "
+                              "worse than full reuse)")
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class CandidateOutcome:
+    """One candidate over every prompt."""
+
+    name: str
+    config: dict[str, Any]
+    condition_chunks: bool
+    kl: float  # mean over prompts
+    recovery: float | None
+    worse_than_full_reuse: int
+    cost: float  # mean over prompts, full prefill = 1
+    meets_target: bool
+    per_prompt_kl: list[float] = field(default_factory=list)
+    reference: bool = False  # full reuse, measured as the yardstick (not a candidate)
+
+    def table_row(self) -> str:
+        rec = "–" if self.recovery is None else f"{self.recovery:.3f}"
+        mark = "yes" if self.meets_target else ("(reference)" if self.reference else "no")
+        return f"| {self.name} | {self.kl:.4g} | {rec} | {self.worse_than_full_reuse} | {self.cost:.3f} | {mark} |"
+
+
+@dataclass
+class CalibrationResult:
+    model: str
+    fingerprint: str
+    target: CalibrationTarget
+    cost_kind: CostKind
+    prompts: int
+    candidates: list[CandidateOutcome]  # ordered by cost
+    full_reuse: CandidateOutcome
+    chosen: CandidateOutcome
+    target_met: bool
+    message: str
+    measurement: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    created_utc: str = field(
+        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "model": self.model,
+            "created_utc": self.created_utc, "target": asdict(self.target), "cost": self.cost_kind,
+            "target_met": self.target_met, "message": self.message,
+            "chosen": {"name": self.chosen.name, "config": self.chosen.config,
+                       "condition_chunks": self.chosen.condition_chunks, "kl": self.chosen.kl,
+                       "recovery": self.chosen.recovery, "worse_than_full_reuse": self.chosen.worse_than_full_reuse,
+                       "cost": self.chosen.cost},
+            "prompts": self.prompts, "measurement": self.measurement, "data": self.data,
+            "full_reuse": asdict(self.full_reuse),
+            "table": [asdict(c) for c in self.candidates],
+        }
+
+    def save(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Write the result where the engine looks for this model's (:func:`~cacheblend_rag.engine.calibrated.calibration_dir`)."""
+        return save_calibration(self.to_document(), directory)
+
+    def table(self) -> str:
+        lines = [f"| setting | KL | recovery | worse than full reuse (of {self.prompts}) | cost ({self.cost_kind}, "
+                 "full prefill = 1) | meets target |", "|---|---|---|---|---|---|", self.full_reuse.table_row()]
+        return "\n".join(lines + [c.table_row() for c in self.candidates])
+
+
+# --------------------------------------------------------------------------- the state file
+def prompt_key(prompt: BenchPrompt, teacher_tokens: int) -> str:
+    blob = json.dumps([prompt.lead_ids, prompt.chunk_ids, prompt.tail_ids, prompt.stand_in_ids, teacher_tokens])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class CalibrationState:
+    """Measurements so far, per prompt key: full prefill's teacher tokens and TTFT, and per setting
+    (``Candidate.key``, or ``full_reuse``) its KL, cost and stats. ``path=None`` keeps it in memory."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, fingerprint: str, *, resume: bool) -> None:
+        self.path = Path(path) if path is not None else None
+        self.fingerprint = fingerprint
+        self.prompts: dict[str, dict[str, Any]] = {}
+        if resume and self.path is not None and self.path.exists():
+            self.prompts = self._read(self.path)
+
+    def _read(self, path: Path) -> dict[str, dict[str, Any]]:
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            logger.warning("calibration state %s cannot be read (%s): ignored, everything is measured again", path, exc)
+            return {}
+        if not isinstance(document, dict) or document.get("format") != STATE_FORMAT or \
+                not isinstance(document.get("prompts"), dict):
+            logger.warning("calibration state %s is not a calibration state file: ignored, everything is measured "
+                           "again", path)
+            return {}
+        if document.get("fingerprint") != self.fingerprint:
+            logger.warning("calibration state %s was measured on another model (fingerprint %s, this model is %s): "
+                           "ignored, everything is measured again", path, str(document.get("fingerprint"))[:12],
+                           self.fingerprint[:12])
+            return {}
+        kept: dict[str, dict[str, Any]] = {}
+        dropped = 0
+        for key, entry in document["prompts"].items():
+            reference = entry.get("reference") if isinstance(entry, dict) else None
+            if not _valid_reference(reference) or not isinstance(entry.get("methods"), dict):
+                dropped += 1
+                continue
+            methods = {k: m for k, m in entry["methods"].items() if _valid_measurement(m)}
+            dropped += len(entry["methods"]) - len(methods)
+            kept[key] = {"reference": reference, "methods": methods}
+        if dropped:
+            logger.warning("calibration state %s: %d malformed entries ignored (measured again)", path, dropped)
+        return kept
+
+    def reference(self, key: str) -> dict[str, Any] | None:
+        return self.prompts.get(key, {}).get("reference")
+
+    def measured(self, key: str, method: str) -> dict[str, Any] | None:
+        return self.prompts.get(key, {}).get("methods", {}).get(method)
+
+    def set_reference(self, key: str, reference: dict[str, Any]) -> None:
+        old = self.reference(key)
+        if old is not None and old["tokens"] != reference["tokens"]:
+            # Another answer is another teacher: the KLs measured along the old one no longer compare.
+            logger.warning("full prefill answers prompt %s differently than when its measurements were saved; they "
+                           "are measured again", key[:12])
+            self.prompts[key] = {"reference": reference, "methods": {}}
+        else:
+            self.prompts.setdefault(key, {"reference": reference, "methods": {}})["reference"] = reference
+        self.save()
+
+    def record(self, key: str, method: str, measurement: dict[str, Any]) -> None:
+        self.prompts[key]["methods"][method] = measurement
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            write_json_atomically(self.path, {"format": STATE_FORMAT, "version": VERSION,
+                                              "fingerprint": self.fingerprint, "prompts": self.prompts})
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _valid_reference(reference: Any) -> bool:
+    return isinstance(reference, dict) and isinstance(reference.get("tokens"), list) and \
+        all(isinstance(t, int) for t in reference["tokens"]) and _number(reference.get("ttft_s"))
+
+
+def _valid_measurement(measurement: Any) -> bool:
+    return isinstance(measurement, dict) and all(_number(measurement.get(k)) for k in ("kl", "work", "ttft_s")) \
+        and measurement["kl"] >= 0
+
+
+# --------------------------------------------------------------------------- cost
+def work_share(engine: CacheBlendEngine, config: BlendConfig, stats: dict[str, Any]) -> float:
+    """The layer-units the blend that produced ``stats`` computed, over full prefill's (1.0), by the
+    work bound's count with the tokens the engine really recomputed and its profile pass."""
+    if stats.get("mode") == "full_prefill":
+        return 1.0  # a fallback (gate, short prompt) computes everything
+    shapes = LayerShapes.of(engine.model.config)
+    n, fresh = int(stats["total_tokens"]), int(stats["fresh_tokens"])
+    cached = n - fresh
+    ratio = stats["recomputed_tokens"] / cached if cached else 0.0
+    if config.recompute_ratio == 0:
+        units = work_bound(shapes, n, fresh, 0.0, check_layer=0)
+        return (units["units"] - units["parts"]["profile"]) / shapes.num_layers
+    strategy, check_layer = engine.plan(config)
+    profile = strategy.needs.profile
+    if check_layer == 0 and profile is not None:
+        units = work_bound(shapes, n, fresh, ratio, check_layer=0, profile_tokens=profile.question_tokens)
+        # The bound runs the profile through every layer; profile_layers cuts it short.
+        profiled = (profile.layers or shapes.num_layers) / shapes.num_layers
+        return (units["units"] - units["parts"]["profile"] * (1 - profiled)) / shapes.num_layers
+    if 1 <= check_layer < shapes.num_layers - 1:
+        return work_bound(shapes, n, fresh, ratio, check_layer=check_layer)["units"] / shapes.num_layers
+    # A choice the bound does not model (at layer 0 with no profile, or at the last layers): the
+    # share of tokens computed, in every layer.
+    return min(1.0, (stats["recomputed_tokens"] + fresh) / n)
+
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class _Method:
+    key: str  # the state's key: Candidate.key, or "full_reuse"
+    config: BlendConfig
+    condition_chunks: bool
+
+
+class Calibrator:
+    """Runs one calibration on one engine (:func:`calibrate` is the short way)."""
+
+    def __init__(self, engine: CacheBlendEngine, candidates: Sequence[Candidate], *, cost: CostKind = "work",
+                 teacher_tokens: int = 16, state: CalibrationState, progress: bool = True) -> None:
+        if engine.tokenizer is None:
+            raise ConfigError("calibration needs an engine with a tokenizer")
+        if cost not in ("work", "ttft"):
+            raise ConfigError(f"cost={cost!r}; choose 'work' (layer-units computed) or 'ttft' (measured)")
+        if isinstance(teacher_tokens, bool) or not isinstance(teacher_tokens, int) or teacher_tokens < 1:
+            raise ConfigError(f"teacher_tokens={teacher_tokens!r} must be an integer >= 1")
+        if not candidates:
+            raise ConfigError("no candidate settings to calibrate; pass at least one (e.g. kv_deviation@0.15)")
+        self.engine, self.cost, self.teacher_tokens = engine, cost, teacher_tokens
+        self.state, self.progress = state, progress
+        self.candidates = list(candidates)
+        # Measured as blends whatever the prompt's length: the short-prompt fallback is the user's
+        # policy, the same for every setting, and would hide what a setting does.
+        for c in self.candidates:
+            engine.plan(c.config)  # a bad check layer fails now, not midway
+        full_reuse = _Method("full_reuse", BlendConfig(recompute_ratio=0.0, min_blend_tokens=0), False)
+        self.methods = [full_reuse, *(_Method(c.key, c.config.with_overrides(min_blend_tokens=0), c.condition_chunks)
+                                      for c in self.candidates)]
+        self.eos_ids = eos_token_ids(engine)
+        self.stores = ChunkStoreFactory("memory", engine)
+
+    def run(self, prompts: Sequence[BenchPrompt]) -> list[str]:
+        """Measure what the state lacks; returns the prompts' keys."""
+        if not prompts:
+            raise ConfigError("no prompts to calibrate on; pass a few questions with their passages")
+        keys = [prompt_key(p, self.teacher_tokens) for p in prompts]
+        bar = tqdm(total=len(prompts) * (len(self.methods) + 1), desc="calibrate", unit="run",
+                   disable=not self.progress)
+        try:
+            for key, prompt in zip(keys, prompts):
+                self._run_prompt(key, prompt, bar)
+        finally:
+            bar.close()
+            self.stores.close()
+        return keys
+
+    def _run_prompt(self, key: str, prompt: BenchPrompt, bar: Any) -> None:
+        todo = [m for m in self.methods if self.state.measured(key, m.key) is None]
+        if not todo and self.state.reference(key) is not None:
+            bar.update(len(self.methods) + 1)
+            return
+        bar.set_postfix_str("full_prefill", refresh=False)
+        reference = run_request(self.engine, FullPrefillRequest(self.engine, prompt.input_ids),
+                                max_new_tokens=self.teacher_tokens, eos_ids=self.eos_ids,
+                                teacher_limit=self.teacher_tokens)
+        self.state.set_reference(key, {"tokens": reference.answer_tokens(self.teacher_tokens),
+                                       "ttft_s": reference.ttft_s})
+        bar.update(1)
+        todo = [m for m in self.methods if self.state.measured(key, m.key) is None]
+        bar.update(len(self.methods) - len(todo))
+        caches: dict[bool, Any] = {}
+        try:
+            for method in todo:
+                bar.set_postfix_str(method.key.partition("#")[0], refresh=False)
+                if method.condition_chunks not in caches:
+                    caches[method.condition_chunks] = self._warm(prompt, method.condition_chunks)
+                run = self._measure(prompt, method, caches[method.condition_chunks], reference)
+                self.state.record(key, method.key, run)
+                bar.update(1)
+        finally:
+            for cache in caches.values():
+                self.stores.release(cache)
+
+    def _warm(self, prompt: BenchPrompt, conditioned: bool) -> Any:
+        """A fresh store with the prompt's passages, and its lead as an exact prefix, as the harness has it."""
+        cache = self.stores.open(prompt.conditioning_prefix(conditioned))
+        cache.warm(prompt.chunk_ids)
+        cache.warm([prompt.lead_ids], prefix_ids=(), lossless=True)
+        return cache
+
+    def _measure(self, prompt: BenchPrompt, method: _Method, cache: Any, reference: RequestRun) -> dict[str, Any]:
+        segments = prompt.stored_segments(prompt.conditioning_prefix(method.condition_chunks))
+        teacher = reference.answer_tokens(self.teacher_tokens)
+        run = run_request(self.engine, BlendRequest(self.engine, segments, method.config, cache), max_new_tokens=1,
+                          eos_ids=self.eos_ids, teacher_tokens=teacher, teacher_limit=self.teacher_tokens)
+        assert run.teacher_logits is not None and reference.teacher_logits is not None
+        stats = {k: run.stats.get(k) for k in ("mode", "total_tokens", "cached_tokens", "recomputed_tokens",
+                                               "fresh_tokens", "exact_tokens", "fallback_reason")}
+        return {"kl": float(token_kl(reference.teacher_logits, run.teacher_logits).mean()),
+                "work": work_share(self.engine, method.config, run.stats), "ttft_s": run.ttft_s, "stats": stats}
+
+
+def calibrate(
+    engine: CacheBlendEngine,
+    prompts: Sequence[BenchPrompt],
+    candidates: Sequence[Candidate] | str | None = None,
+    target: CalibrationTarget | None = None,
+    *,
+    cost: CostKind = "work",
+    teacher_tokens: int = 16,
+    progress: bool = True,
+    state_path: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    data: dict[str, Any] | None = None,
+) -> CalibrationResult:
+    """Measure ``candidates`` (default :data:`DEFAULT_CANDIDATES`) on ``prompts`` and choose the
+    cheapest that meets ``target`` (module docstring). ``state_path``: the JSON file measurements
+    go to as they are made; with ``resume``, those already there are not made again. The result is
+    not saved: :meth:`CalibrationResult.save` does that."""
+    target = target or CalibrationTarget()
+    chosen = parse_candidates(candidates) if candidates is None or isinstance(candidates, str) else list(candidates)
+    state = CalibrationState(state_path, engine.fingerprint, resume=resume)
+    calibrator = Calibrator(engine, chosen, cost=cost, teacher_tokens=teacher_tokens, state=state, progress=progress)
+    keys = calibrator.run(prompts)
+    return summarize(engine, keys, chosen, state, target, cost,
+                     measurement={"teacher_tokens": teacher_tokens, "state_path": str(state_path) if state_path else None},
+                     data=data or {})
+
+
+def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Candidate], state: CalibrationState,
+              target: CalibrationTarget, cost: CostKind, *, measurement: dict[str, Any],
+              data: dict[str, Any]) -> CalibrationResult:
+    """The table over ``keys`` (every measurement is in ``state``) and the choice."""
+
+    def outcome(key: str, name: str, config: dict[str, Any], conditioned: bool, reference_kls: list[float] | None
+                ) -> CandidateOutcome:
+        runs = [state.measured(k, key) for k in keys]
+        kls = [float(r["kl"]) for r in runs]
+        if cost == "work":
+            costs = [float(r["work"]) for r in runs]
+        else:
+            costs = [float(r["ttft_s"]) / float(state.reference(k)["ttft_s"]) for r, k in zip(runs, keys)]
+        mean_kl = float(np.mean(kls))
+        rec, worse = None, 0
+        if reference_kls is not None:
+            rec = recovery(mean_kl, mean_or_none(reference_kls))
+            worse = int(sum(kl > ref for kl, ref in zip(kls, reference_kls)))
+        return CandidateOutcome(name, config, conditioned, mean_kl, rec, worse, float(np.mean(costs)), False, kls)
+
+    full_reuse = outcome("full_reuse", "full_reuse", {"recompute_ratio": 0.0}, False, None)
+    full_reuse.reference = True
+    exact_reuse = full_reuse.kl <= 0.0
+    rows = []
+    for c in candidates:
+        row = outcome(c.key, c.name, c.fields(), c.condition_chunks, full_reuse.per_prompt_kl)
+        # Where full reuse is already exact, recovery is undefined: only "never worse" (exact too) counts.
+        good = (row.recovery is not None and row.recovery >= target.recovery) or exact_reuse
+        row.meets_target = good and row.worse_than_full_reuse <= target.allow_worse
+        rows.append(row)
+    rows.sort(key=lambda r: (r.cost, r.kl))
+    meeting = [r for r in rows if r.meets_target]
+    want = f"recovery >= {target.recovery:g} with at most {target.allow_worse} of {len(keys)} prompts worse than full reuse"
+    if meeting:
+        chosen, met = meeting[0], True
+        message = f"target met ({want}): {chosen.name} is the cheapest setting that meets it"
+    else:
+        chosen, met = min(rows, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
+        message = (f"target NOT reached: no candidate setting gives {want}. The best measured setting, "
+                   f"{chosen.name} (lowest KL), is used instead; widen the grid (higher ratios) or lower the target")
+    return CalibrationResult(model=engine.model_name, fingerprint=engine.fingerprint, target=target, cost_kind=cost,
+                             prompts=len(keys), candidates=rows, full_reuse=full_reuse, chosen=chosen, target_met=met,
+                             message=message, measurement=measurement, data=data)
+
+
+def default_state_path(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> Path:
+    return calibration_dir(directory) / f"{fingerprint}.state.json"
