@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
+from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, CalibratedSetting, describe_config, load_calibration
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
+# Setting any of these leaves the setting to the user: a saved calibration is then not used.
+_CALIBRATED_CHOICES = frozenset({*CALIBRATED_FIELDS, "condition_chunks"})
 
 
 def unknown_names_error(owner: str, unknown: list[str], allowed: set[str], what: str = "argument") -> ValueError:
@@ -101,6 +104,12 @@ class CacheBlendSettings(BaseModel):
         description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
         "than computing each alone, docs/quality.md); False computes each chunk on its own.",
     )
+    calibration_dir: Optional[str] = Field(
+        default=None,
+        description="Folder of `cacheblend-rag calibrate` results; None: $CACHEBLEND_CALIBRATION_DIR, else "
+        "~/.cache/cacheblend-rag/calibration. The model's result there is used unless a blend field or "
+        "condition_chunks is set.",
+    )
     reuse_chunk_kv: bool = Field(
         default=True, description="False answers every prompt by full prefill of the whole prompt (a baseline)."
     )
@@ -160,6 +169,7 @@ class CacheBlendSettings(BaseModel):
     _max_tokens_field: ClassVar[str] = "max_new_tokens"
 
     _service: BlendService = PrivateAttr()
+    _calibration: Optional[CalibratedSetting] = PrivateAttr(default=None)
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="before")
@@ -235,8 +245,11 @@ class CacheBlendSettings(BaseModel):
                 f"{engine.unsupported_reason}; set fallback_to_full_prefill=True to serve this model "
                 "with full prefill (no KV reuse)"
             )
+        # Read once: the chunk cache's prefix follows it, and a setting must not change under a live object.
+        if engine.adapter is not None and not self.model_fields_set & _CALIBRATED_CHOICES:
+            self._calibration = load_calibration(engine.fingerprint, self.calibration_dir or engine.calibration_dir)
         if self.chunk_cache is None:
-            prefix = default_conditioning_prefix(engine.tokenizer) if self.condition_chunks else ()
+            prefix = default_conditioning_prefix(engine.tokenizer) if self.conditions_chunks else ()
             key = self.store_key.get_secret_value() if self.store_key is not None else None
             self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
                                                size_limit=self.store_size_limit, storage_dtype=self.storage_dtype,
@@ -245,8 +258,30 @@ class CacheBlendSettings(BaseModel):
 
     # ------------------------------------------------------------------ configs
     @property
+    def calibration(self) -> Optional[CalibratedSetting]:
+        """The saved calibration in force: the model's, found when this object opened, unless a blend
+        field or ``condition_chunks`` is set (then the user's setting is)."""
+        return None if self.model_fields_set & _CALIBRATED_CHOICES else self._calibration
+
+    @property
+    def config_source(self) -> str:
+        """Where the blend setting comes from: ``"user"``, ``"calibrated: <file>"`` or ``"built-in"``."""
+        if self.model_fields_set & _CALIBRATED_CHOICES:
+            return "user"
+        return self._calibration.source if self._calibration is not None else "built-in"
+
+    @property
+    def conditions_chunks(self) -> bool:
+        """Whether chunks are computed behind a prefix: ``condition_chunks``, or the calibration's choice."""
+        calibrated = self.calibration
+        return calibrated.condition_chunks if calibrated is not None else self.condition_chunks
+
+    @property
     def blend_config(self) -> BlendConfig:
-        return BlendConfig(**{name: getattr(self, name) for name in BLEND_FIELDS})
+        """The setting calls use: these fields, or the saved calibration's (:attr:`config_source`)."""
+        config = BlendConfig(**{name: getattr(self, name) for name in BLEND_FIELDS})
+        calibrated = self.calibration
+        return calibrated.apply_to(config) if calibrated is not None else config
 
     def blend_config_with(self, overrides: dict[str, Any]) -> BlendConfig:
         """This object's blend config with per-call ``overrides`` (BlendConfig fields) applied."""
@@ -261,7 +296,13 @@ class CacheBlendSettings(BaseModel):
     def stats_of(self, served: Served) -> dict[str, Any]:
         """The stats a response carries: ``served``'s, with chunks the retrieval side computed for this
         request (``precomputed_for_request``) told apart from store hits (``cache_hits``)."""
-        return self._service.announced.account(served.stats(), served.prompt.segments)
+        stats = self._service.announced.account(served.stats(), served.prompt.segments)
+        # The engine saw a config passed in ("user"); where it came from is known here. A call that
+        # overrode the setting ran another one than this object's.
+        own = stats.get("blend_setting") == describe_config(self.blend_config)
+        stats["config_source"] = self.config_source if own else "user"
+        stats["condition_chunks"] = bool(self._service.chunk_cache.prefix_ids)
+        return stats
 
     def precompute_texts(self, texts: list[str], *, show_progress: bool, for_request: bool) -> WarmSummary:
         """Compute and store the KV of the chunk texts the store lacks; ``for_request``: for the coming
