@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     methods.add_argument(
         "--methods", default=DEFAULT_METHODS,
         help="comma-separated: full_prefill, prefix_caching, full_reuse, cacheblend, any selection strategy "
-             f"({', '.join(available_strategies())}), or 'all'; add '+prefix' for chunks precomputed "
+             f"({', '.join(available_strategies())}), 'default' (the engine's setting for the model: calibrated "
+             "or built in), or 'all'; add '+prefix' for chunks precomputed "
              "behind the prompt text before the passages, '@RATIO' to pin one ratio, ':STORAGE' to store that method's chunk KV with another codec (int8, int4, ...)",
     )
     methods.add_argument("--ratios", default="0.05,0.15,0.3", help="recompute ratios for every blend method")

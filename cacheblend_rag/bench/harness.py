@@ -22,7 +22,14 @@ from typing import Any, Callable
 import numpy as np
 from tqdm.auto import tqdm
 
-from cacheblend_rag.bench.methods import MethodSpec, PrefixMode, parse_methods, parse_ratios, with_references
+from cacheblend_rag.bench.methods import (
+    MethodSpec,
+    PrefixMode,
+    parse_methods,
+    parse_ratios,
+    resolve_default,
+    with_references,
+)
 from cacheblend_rag.bench.metrics import (
     answer_in_text,
     answers_match,
@@ -184,7 +191,9 @@ class BenchmarkRunner:
             raise ConfigError("the benchmark needs an engine with a tokenizer")
         self.engine = engine
         self.config = config
-        self.specs, self.added_specs = config.method_specs()
+        specs, self.added_specs = config.method_specs()
+        # "default" is what this engine uses for its model: known only now that the model is loaded.
+        self.specs = [resolve_default(s, engine) for s in specs]
         base = engine.config
         if config.check_layer is not None:
             base = base.with_overrides(check_layer=config.check_layer)
@@ -469,7 +478,9 @@ def restrict_document(document: dict[str, Any], indices: list[int]) -> dict[str,
     if not outcomes:
         raise ConfigError(f"none of the questions {sorted(keep)} is in this result")
     specs = [MethodSpec(kind=m["kind"], selection=m["selection"], ratio=m["ratio"] if m["kind"] == "blend" else None,
-                        prefix_conditioned=m["prefix_conditioned"], storage=m["storage"]) for m in document["methods"]]
+                        prefix_conditioned=m["prefix_conditioned"], storage=m["storage"], label=m.get("label"),
+                        overrides=tuple((m.get("overrides") or {}).items()), source=m.get("source"))
+             for m in document["methods"]]
     summaries = summarize_methods(specs, outcomes)
     for summary, old in zip(summaries, document["methods"]):
         summary["added_as_reference"] = old["added_as_reference"]

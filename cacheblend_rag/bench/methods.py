@@ -19,6 +19,10 @@ Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO][:STORAGE]``.
   Only methods that reuse chunk KV take it. Recovery and "worse than full reuse" stay measured
   against plain ``full_reuse`` at the run's storage, one yardstick for every codec.
 - ``all``: full prefill, prefix caching, full reuse and every registered strategy.
+- ``default``: whatever the engine uses for the loaded model when given no setting: the setting
+  ``cacheblend-rag calibrate`` saved for it, else the built-in one (chunks prefix-conditioned as
+  the integrations compute them, unless the calibration chose otherwise). Shown as ``default``,
+  with the setting and its source beside it (:func:`resolve_default`).
 
 Result names are unambiguous: ``full_prefill``, ``prefix_caching``, ``full_reuse``,
 ``full_reuse+prefix``, ``cacheblend@0.15``, ``sink_aware+prefix@0.15``, ``full_reuse:int8``.
@@ -26,21 +30,23 @@ Result names are unambiguous: ``full_prefill``, ``prefix_caching``, ``full_reuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.codec import STORAGE_DTYPES
 
-MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend"]
+MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend", "default"]
 PrefixMode = Literal["off", "on", "both"]
 
 PREFIX_SUFFIX = "+prefix"
 # CacheBlend as published; shown under its own name rather than its selection's.
 CACHEBLEND = "cacheblend"
 CACHEBLEND_SELECTION = "kv_deviation"
+DEFAULT = "default"
 _BASELINES = ("full_prefill", "prefix_caching", "full_reuse")
 
 
@@ -51,14 +57,28 @@ class MethodSpec:
     ratio: float | None = None  # blends: recompute ratio; full_reuse: 0
     prefix_conditioned: bool = False
     storage: str | None = None  # the codec of this method's chunk KV; None: the run's --storage-dtype
+    # ``default`` once resolved (resolve_default): its name, its other BlendConfig fields, its source
+    label: str | None = None
+    overrides: tuple[tuple[str, Any], ...] = ()
+    source: str | None = None
 
     @property
     def uses_chunk_cache(self) -> bool:
-        return self.kind in ("full_reuse", "blend")
+        return self.kind in ("full_reuse", "blend", DEFAULT)
+
+    @property
+    def setting(self) -> str:
+        """What it runs, named as ``--methods`` would (``default`` resolved: its setting's own name)."""
+        if self.kind == "blend":
+            return describe_config(BlendConfig(recompute_ratio=self.ratio, selection=self.selection),
+                                   self.prefix_conditioned)
+        return self.kind + (PREFIX_SUFFIX if self.prefix_conditioned else "")
 
     @property
     def family(self) -> str:
         """The method without its ratio: ``cacheblend``, ``sink_aware+prefix``, ``full_prefill``..."""
+        if self.label is not None:
+            return self.label
         if self.kind == "blend":
             base = CACHEBLEND if self.selection == CACHEBLEND_SELECTION else str(self.selection)
         else:
@@ -67,18 +87,24 @@ class MethodSpec:
 
     @property
     def name(self) -> str:
+        if self.label is not None:
+            return self.label
         name = f"{self.family}@{format_ratio(self.ratio)}" if self.kind == "blend" else self.family
         return name + (f":{self.storage}" if self.storage else "")
 
     def blend_config(self, base: BlendConfig) -> BlendConfig:
+        if self.kind == DEFAULT:
+            raise ValueError("the default method is resolved against an engine first (resolve_default)")
         if self.kind == "full_reuse":
-            return base.with_overrides(recompute_ratio=0.0)
+            return base.with_overrides(**dict(self.overrides), recompute_ratio=0.0)
         if self.kind == "blend":
-            return base.with_overrides(recompute_ratio=self.ratio, selection=self.selection)
+            return base.with_overrides(**dict(self.overrides), recompute_ratio=self.ratio, selection=self.selection)
         raise ValueError(f"{self.name} does not blend cached chunks")
 
     def to_dict(self) -> dict:
-        return {
+        extra = {} if self.label is None else {"label": self.label, "setting": self.setting, "source": self.source,
+                                               "overrides": dict(self.overrides)}
+        return {**extra,
             "name": self.name,
             "family": self.family,
             "kind": self.kind,
@@ -125,7 +151,7 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
     if prefix_conditioned not in ("off", "on", "both"):
         raise ConfigError(f"prefix_conditioned={prefix_conditioned!r}; choose one of 'off', 'on', 'both'")
     strategies = available_strategies()
-    allowed = [*_BASELINES, CACHEBLEND, *strategies]
+    allowed = [*_BASELINES, CACHEBLEND, *strategies, DEFAULT]
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
         raise ConfigError(f"--methods is empty; pass a comma-separated list of {', '.join(allowed)} or 'all'")
@@ -151,6 +177,12 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
                 f"--methods: unknown method {item!r}; choose from {', '.join(allowed)} or 'all', "
                 f"optionally with '{PREFIX_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
             )
+        if name == DEFAULT:
+            if prefixed or pinned or storage:
+                raise ConfigError(f"--methods: {item!r}: default is the engine's own setting for the model, whole; "
+                                  f"it takes neither '{PREFIX_SUFFIX}', a ratio nor a storage codec")
+            specs.append(MethodSpec(kind=DEFAULT))
+            continue
         if name in ("full_prefill", "prefix_caching"):
             if prefixed or pinned or storage:
                 raise ConfigError(
@@ -175,6 +207,22 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
         if spec not in unique:
             unique.append(spec)
     return unique
+
+
+def resolve_default(spec: MethodSpec, engine: Any) -> MethodSpec:
+    """``default`` as the setting ``engine`` uses for its model when given none (calibrated or
+    built in); any other spec as it is."""
+    if spec.kind != DEFAULT:
+        return spec
+    config, source = engine.default_and_source()
+    calibrated = engine.calibration() if source.startswith("calibrated") else None
+    conditioned = calibrated.condition_chunks if calibrated is not None else DEFAULT_CONDITION_CHUNKS
+    overrides = tuple((name, getattr(config, name)) for name in CALIBRATED_FIELDS
+                      if name not in ("recompute_ratio", "selection"))
+    kind = "full_reuse" if config.recompute_ratio == 0 else "blend"
+    return MethodSpec(kind, None if kind == "full_reuse" else config.selection,
+                      None if kind == "full_reuse" else config.recompute_ratio, conditioned,
+                      label=DEFAULT, overrides=overrides, source=source)
 
 
 def with_references(specs: Sequence[MethodSpec]) -> tuple[list[MethodSpec], list[MethodSpec]]:

@@ -152,7 +152,7 @@ def markdown_table(document: dict[str, Any]) -> str:
         q = m["quality"]
         speedup, rec, worse = m["ttft_speedup"], q["recovery"], q["worse_than_full_reuse"]
         cells = [
-            m["name"],
+            method_cell(m),
             _fmt(m["ttft_s"]["median"], ".3f"),
             _fmt(m["ttft_s"]["p90"], ".3f"),
             "–" if speedup is None else f"{speedup:.2f}x",
@@ -173,6 +173,13 @@ def markdown_table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def method_cell(method: dict[str, Any]) -> str:
+    """The method's name; ``default`` with the setting it resolved to and where that came from."""
+    if not method.get("setting"):
+        return method["name"]
+    return f"{method['name']} = {method['setting']} ({str(method.get('source')).split(':')[0]})"
+
+
 def f1_delta_cell(quality: dict[str, Any]) -> str:
     """``+0.012 [-0.030, +0.061]``: the mean paired F1 difference to full prefill and its bootstrap interval."""
     delta, interval = quality.get("f1_delta"), quality.get("f1_delta_ci95")
@@ -188,7 +195,7 @@ def answer_table(document: dict[str, Any]) -> str:
     for m in document["methods"]:
         q = m["quality"]
         lines.append("| " + " | ".join([
-            m["name"], _fmt(q["f1"], ".3f"), _fmt(q["gold_em"], ".3f"), f1_delta_cell(q), _fmt(q["kl"], ".4f"),
+            method_cell(m), _fmt(q["f1"], ".3f"), _fmt(q["gold_em"], ".3f"), f1_delta_cell(q), _fmt(q["kl"], ".4f"),
             _fmt(q["top1"], ".3f"), "–" if q["recovery"] is None else f"{100 * q['recovery']:.0f}%",
             "–" if m["ttft_speedup"] is None else f"{m['ttft_speedup']:.2f}x",
         ]) + " |")

@@ -25,6 +25,9 @@ from cacheblend_rag.models.loader import cache_root
 logger = logging.getLogger(__name__)
 
 CALIBRATION_DIR_ENV = "CACHEBLEND_CALIBRATION_DIR"
+# Whether the integrations compute chunk KV behind the prompt's lead when neither the user nor a
+# calibration says (measured better than alone, docs/quality.md); the bench's ``default`` method too.
+DEFAULT_CONDITION_CHUNKS = True
 FORMAT = "cacheblend-rag-calibration"
 VERSION = 1
 # What a calibration chooses. The rest (gate, fallback, the short-prompt threshold) is the user's

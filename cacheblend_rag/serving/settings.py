@@ -22,7 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
-from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, CalibratedSetting, describe_config, load_calibration
+from cacheblend_rag.engine.calibrated import (
+    CALIBRATED_FIELDS,
+    DEFAULT_CONDITION_CHUNKS,
+    CalibratedSetting,
+    describe_config,
+    load_calibration,
+)
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
@@ -100,7 +106,7 @@ class CacheBlendSettings(BaseModel):
         description="Passed to AutoModelForCausalLM.from_pretrained: trust_remote_code, revision, attn_implementation...",
     )
     condition_chunks: bool = Field(
-        default=True,
+        default=DEFAULT_CONDITION_CHUNKS,
         description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
         "than computing each alone, docs/quality.md); False computes each chunk on its own.",
     )
