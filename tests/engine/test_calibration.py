@@ -1,0 +1,224 @@
+"""Calibration on a tiny model: the choice against a reachable and an unreachable target, the saved
+result used by the engine (and only by the engine of the same model), a corrupt file ignored, a
+stopped run resumed without redoing its work, and the command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig
+from cacheblend_rag.bench.calibrate_commands import run_calibration
+from cacheblend_rag.bench.calibration import (
+    DEFAULT_CANDIDATES,
+    Candidate,
+    CalibrationTarget,
+    calibrate,
+    parse_candidates,
+)
+from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
+from cacheblend_rag.cli import build_parser
+from cacheblend_rag.data import demo_corpus_dir, load_demo_corpus, load_demo_questions
+from cacheblend_rag.engine import CachedSegment, FreshSegment
+from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, calibration_path, load_calibration
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.testing import tiny_engine
+
+CANDIDATES = "kv_deviation@0.1,kv_deviation@0.5,kv_deviation@1.0,query_profiled+prefix@0.15"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_dir(tmp_path, monkeypatch):
+    # Never the user's ~/.cache: a test's engine must not find (or leave) a real calibration.
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path / "calibration"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    docs, questions = load_demo_corpus(), load_demo_questions()
+    return [build_prompt(engine.tokenizer, MusiqueExample(q.question, [q.answer],
+                                                          [(d.title, d.text) for d in docs[i:i + 3]]),
+                         passages=3, max_passage_tokens=40) for i, q in enumerate(questions[:3])]
+
+
+@pytest.fixture(scope="module")
+def measured(engine, prompts, tmp_path_factory):
+    """One calibration's measurements, in a state file the tests calibrate from again (no new work)."""
+    state = tmp_path_factory.mktemp("state") / "state.json"
+    result = calibrate(engine, prompts, CANDIDATES, progress=False, state_path=state, resume=False)
+    return result, state
+
+
+class Counting:
+    """Counts the engine's blends and full prefills (the work a calibration does)."""
+
+    def __init__(self, engine, monkeypatch, fail_after: int | None = None) -> None:
+        self.calls = 0
+        for name in ("blend", "full_prefill"):
+            original = getattr(engine, name)
+
+            def counted(*args, _original=original, **kwargs):
+                if fail_after is not None and self.calls >= fail_after:
+                    raise KeyboardInterrupt  # as Ctrl-C midway
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(engine, name, counted)
+
+
+def test_a_reachable_target_picks_the_cheapest_setting_that_meets_it(measured):
+    result, _ = measured
+    assert result.target_met and "target met" in result.message
+    rows = result.candidates
+    assert [r.cost for r in rows] == sorted(r.cost for r in rows)
+    meeting = [r for r in rows if r.meets_target]
+    assert result.chosen is meeting[0]
+    assert all(not r.meets_target for r in rows if r.cost < result.chosen.cost)
+    assert result.chosen.recovery >= 0.8 and result.chosen.worse_than_full_reuse == 0
+    # Ratio 1.0 is full prefill in all but the last layer's MLP: exact, and costs the most of the blends.
+    exact = next(r for r in rows if r.name == "kv_deviation@1")
+    assert exact.recovery == pytest.approx(1.0, abs=1e-3) and exact.cost == max(r.cost for r in rows)
+    assert result.full_reuse.kl > 0 and result.full_reuse.recovery is None
+    table = result.table()
+    assert "full_reuse" in table and result.chosen.name in table
+
+
+def test_an_unreachable_target_is_said_plainly_and_the_best_setting_is_used(engine, prompts, measured):
+    _, state = measured
+    result = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=1.01), progress=False,
+                       state_path=state)
+    assert not result.target_met and "NOT reached" in result.message
+    assert result.chosen.kl == min(r.kl for r in result.candidates)
+    assert result.chosen.name in result.message
+    saved = result.save()
+    assert json.loads(saved.read_text())["target_met"] is False  # saved all the same: the best measured is used
+    assert engine.calibration().name == result.chosen.name
+
+
+def test_the_saved_result_is_the_engines_default_and_the_stats_say_so(engine, measured):
+    result, _ = measured
+    assert engine.config_source == "built-in" and engine.default_config() == BlendConfig()
+    path = result.save()
+    assert path == calibration_path(engine.fingerprint)
+    assert engine.config_source == f"calibrated: {path}"
+    assert engine.default_config().recompute_ratio == result.chosen.config["recompute_ratio"]
+    assert engine.default_config().selection == result.chosen.config["selection"]
+
+    ids = engine.tokenize("Paris is the capital of France. The quick brown fox jumps over the lazy dog.")
+    segments = [engine.tokenize("Context:\n"), CachedSegment(engine.prefill_chunk(ids)), FreshSegment(ids[:4])]
+    stats = engine.blend(segments).stats
+    assert stats.config_source == f"calibrated: {path}" and stats.blend_setting == result.chosen.name.replace(
+        "+prefix", "")
+    given = engine.blend(segments, config=BlendConfig(recompute_ratio=0.3)).stats
+    assert (given.config_source, given.blend_setting) == ("user", "query_profiled@0.3")
+    # An engine built with a setting keeps it: the user's config wins over the calibrated one.
+    own = tiny_engine("llama", config=BlendConfig(recompute_ratio=0.2))
+    assert own.config_source == "user" and own.default_config().recompute_ratio == 0.2
+
+
+def test_another_model_never_reads_this_models_result(engine, measured, caplog):
+    result, _ = measured
+    path = result.save()
+    other = tiny_engine("llama", seed=1)
+    assert other.fingerprint != engine.fingerprint
+    assert other.calibration() is None and other.config_source == "built-in"
+    # Named as the other model's file, the result is still refused: its fingerprint is checked inside.
+    path.rename(calibration_path(other.fingerprint))
+    with caplog.at_level(logging.WARNING):
+        assert other.calibration() is None and other.config_source == "built-in"
+    assert "measured on another model" in caplog.text
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("{not json", "Expecting property name"),
+    ('{"format": "something else"}', "not a calibration result"),
+    (None, "not a valid BlendConfig"),
+])
+def test_a_corrupt_result_is_reported_and_ignored(engine, measured, caplog, content, reason):
+    result, _ = measured
+    path = result.save()
+    if content is None:
+        document = json.loads(path.read_text())
+        document["chosen"]["config"]["recompute_ratio"] = 7
+        content = json.dumps(document)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        assert engine.calibration() is None and engine.config_source == "built-in"
+        assert engine.default_config() == BlendConfig()
+    assert reason in caplog.text and "ignoring the calibration result" in caplog.text
+
+
+def test_a_rerun_skips_what_is_measured_and_a_stop_leaves_a_valid_state(engine, prompts, measured, tmp_path,
+                                                                         monkeypatch):
+    _, state = measured
+    with monkeypatch.context() as patch:
+        counting = Counting(engine, patch)
+        calibrate(engine, prompts, CANDIDATES, progress=False, state_path=state)
+        assert counting.calls == 0  # everything was in the state file
+
+    partial = tmp_path / "partial.json"
+    with monkeypatch.context() as patch:
+        Counting(engine, patch, fail_after=5)
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(engine, prompts, CANDIDATES, progress=False, state_path=partial, resume=False)
+    saved = json.loads(partial.read_text())  # valid JSON after the stop
+    done = sum(len(p["methods"]) for p in saved["prompts"].values())
+    assert done == 4  # the first prompt's full prefill, then 4 of its 5 settings (full reuse and 4 candidates)
+    with monkeypatch.context() as patch:
+        counting = Counting(engine, patch)
+        resumed = calibrate(engine, prompts, CANDIDATES, progress=False, state_path=partial)
+    # The first prompt: its full prefill again (the teacher's logits are not kept) and its last setting;
+    # the other two prompts: everything.
+    assert counting.calls == (1 + 1) + 2 * (1 + 5)
+    first = calibrate(engine, prompts, CANDIDATES, progress=False, state_path=measured[1])
+    assert [r.kl for r in resumed.candidates] == pytest.approx([r.kl for r in first.candidates], abs=1e-6)
+
+
+def test_candidates_parse_like_methods_and_the_default_grid_is_valid():
+    grid = parse_candidates()
+    assert len(grid) == len(DEFAULT_CANDIDATES)
+    assert Candidate(BlendConfig(), condition_chunks=True) in grid  # the built-in default is a candidate
+    mine = parse_candidates("kv_deviation@0.15,cacheblend@0.15,query_profiled+prefix@0.3")
+    assert [c.name for c in mine] == ["kv_deviation@0.15", "query_profiled+prefix@0.3"]
+    assert len({c.key for c in grid}) == len(grid)
+    for bad, message in [("full_prefill", "reuses no chunk KV"), ("kv_deviation@0.15:int8", "storage"),
+                         ("nonsense@0.1", "unknown method")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_candidates(bad)
+    with pytest.raises(ConfigError, match="allow_worse"):
+        CalibrationTarget(allow_worse=-1)
+
+
+def test_the_command_calibrates_a_corpus_and_saves_where_the_engine_looks(engine, tmp_path, capsys):
+    questions = tmp_path / "questions.txt"
+    questions.write_text("\n".join(q.question for q in load_demo_questions()[:2]))
+    out = tmp_path / "out"
+    args = build_parser().parse_args([
+        "calibrate", "--corpus", str(demo_corpus_dir()), "--questions", str(questions), "--passages", "2",
+        "--max-passage-tokens", "30", "--candidates", "kv_deviation@0.2,kv_deviation@1.0", "--teacher-tokens", "4",
+        "--target-recovery", "0.9", "--out", str(out), "--no-progress",
+    ])
+    assert run_calibration(args, engine=engine) == 0
+    printed = capsys.readouterr().out
+    assert "| kv_deviation@1 |" in printed and "target met" in printed
+    saved = load_calibration(engine.fingerprint, out)
+    assert saved is not None and saved.document["prompts"] == 2
+    assert (out / f"{engine.fingerprint}.state.json").exists()
+    assert Path(saved.document["data"]["corpus"]) == demo_corpus_dir()
