@@ -160,3 +160,35 @@ def test_bad_configuration_does_not_load_the_model(monkeypatch):
     monkeypatch.setattr("cacheblend_rag.engine.CacheBlendEngine.from_pretrained", fail)
     with pytest.raises(ValidationError):
         CacheBlendLLM(recompute_ratio=2.0)
+
+
+def test_a_saved_calibration_is_used_unless_a_setting_is_given(engine, tmp_path):
+    from cacheblend_rag.bench.calibration import calibrate
+    from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
+    from cacheblend_rag.testing import tiny_engine
+
+    example = MusiqueExample(QUESTION, [], [("France", "Paris is the capital of France."),
+                                            ("Fox", "The quick brown fox jumps over the lazy dog.")])
+    prompts = [build_prompt(engine.tokenizer, example, passages=2)]
+    result = calibrate(engine, prompts, "kv_deviation@0.3,kv_deviation@1.0", teacher_tokens=4, progress=False)
+    path = result.save(tmp_path)
+
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=4, calibration_dir=str(tmp_path))
+    assert llm.config_source == f"calibrated: {path}" and not llm.conditions_chunks
+    assert llm.blend_config == BlendConfig(**result.chosen.config)
+    chunk = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
+    llm.announce_chunks([chunk])
+    stats = llm.complete(f"Context:\n{chunk}\nQuestion: {QUESTION}\nAnswer:").additional_kwargs
+    assert stats["mode"] == "blend" and stats["blend_setting"] == result.chosen.name
+    assert stats["config_source"] == f"calibrated: {path}" and stats["condition_chunks"] is False
+    assert llm.last_stats["config_source"] == stats["config_source"]
+    # A call that sets its own ratio runs the user's setting, and says so.
+    assert llm.complete(f"Context:\n{chunk}\nQuestion: {QUESTION}\nAnswer:",
+                        recompute_ratio=0.5).additional_kwargs["config_source"] == "user"
+
+    # A setting given by the user wins; another model never takes this model's result.
+    mine = CacheBlendLLM.from_engine(engine, calibration_dir=str(tmp_path), recompute_ratio=0.3)
+    assert mine.config_source == "user" and mine.blend_config == BlendConfig(recompute_ratio=0.3)
+    assert mine.conditions_chunks
+    other = CacheBlendLLM.from_engine(tiny_engine("llama", seed=1), calibration_dir=str(tmp_path))
+    assert other.config_source == "built-in" and other.blend_config == BlendConfig()

@@ -230,3 +230,28 @@ def test_announced_texts_are_bounded_most_recent_first(engine) -> None:
     assert llm.model_copy().known_chunk_texts == ["c", "b"]
     llm.forget_chunks()
     assert llm.known_chunk_texts == []
+
+
+def test_a_saved_calibration_is_used_unless_a_setting_is_given(engine, tmp_path) -> None:
+    from cacheblend_rag import BlendConfig
+    from cacheblend_rag.bench.calibration import calibrate
+    from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
+
+    example = MusiqueExample("Who won two Nobel prizes?", [], [("", text) for text in CHUNKS])
+    prompts = [build_prompt(engine.tokenizer, example, passages=2)]
+    result = calibrate(engine, prompts, "kv_deviation@0.3,kv_deviation@1.0", teacher_tokens=4, progress=False)
+    path = result.save(tmp_path)
+
+    llm = ChatCacheBlend(engine=engine, max_tokens=4, calibration_dir=str(tmp_path))
+    assert llm.config_source == f"calibrated: {path}" and not llm.conditions_chunks
+    assert llm._blend_config({}) == BlendConfig(**result.chosen.config)
+    llm.warm(CHUNKS, show_progress=False)
+    meta = llm.invoke(_messages()).response_metadata
+    assert meta["mode"] == "blend" and meta["blend_setting"] == result.chosen.name
+    assert meta["config_source"] == f"calibrated: {path}" and meta["condition_chunks"] is False
+    assert llm.invoke(_messages(), recompute_ratio=0.5).response_metadata["config_source"] == "user"
+
+    mine = ChatCacheBlend(engine=engine, calibration_dir=str(tmp_path), selection="kv_deviation")
+    assert mine.config_source == "user" and mine._blend_config({}) == BlendConfig(selection="kv_deviation")
+    other = ChatCacheBlend(engine=tiny_engine("llama", seed=1), calibration_dir=str(tmp_path))
+    assert other.config_source == "built-in" and other._blend_config({}) == BlendConfig()
