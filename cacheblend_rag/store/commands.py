@@ -16,8 +16,9 @@ Each chunk is stripped of surrounding whitespace, the form the integrations anno
 up chunks in. A chunk is a cache hit later only if a blend sees exactly the same text behind
 the same prefix, so feed ``warm`` the texts your retriever returns. By default chunks are
 computed behind the prefix the integrations' defaults look them up behind
-(``condition_chunks=True``: the model's chat-template lead and a stand-in passage), so a warm
-job serves ``CacheBlendLLM`` and ``ChatCacheBlend`` as they come; ``--no-condition`` computes each
+(``condition_chunks=True``: the model's chat-template lead and a stand-in passage, unless the
+model's saved calibration chose chunks alone), so a warm job serves ``CacheBlendLLM`` and
+``ChatCacheBlend`` as they come; ``--no-condition`` computes each
 chunk alone (for ``condition_chunks=False``), ``--prefix TEXT`` behind a prefix of your own.
 
 A large corpus is warmed by N workers at once, each given the same files and its own
@@ -201,10 +202,15 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     texts = [chunk for path in args.files for chunk in read_chunks(path, args.for_integration)]
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    calibrated = engine.calibration()
     if args.no_condition:
         prefix: Sequence[int] = ()
     elif args.prefix is not None:
         prefix = engine.tokenize(args.prefix)
+    elif calibrated is not None and not calibrated.condition_chunks:
+        # The integrations follow the model's calibration when left to their defaults: so does warm.
+        print(f"warm: computing chunks alone, as {calibrated.source} chose ({calibrated.name})", file=sys.stderr)
+        prefix = ()
     else:
         prefix = default_conditioning_prefix(engine.tokenizer)
     corpus_size = len(texts)

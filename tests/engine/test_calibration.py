@@ -222,3 +222,54 @@ def test_the_command_calibrates_a_corpus_and_saves_where_the_engine_looks(engine
     assert saved is not None and saved.document["prompts"] == 2
     assert (out / f"{engine.fingerprint}.state.json").exists()
     assert Path(saved.document["data"]["corpus"]) == demo_corpus_dir()
+
+
+def test_the_cost_may_be_measured_ttft(engine, prompts, measured):
+    _, state = measured
+    result = calibrate(engine, prompts, CANDIDATES, cost="ttft", progress=False, state_path=state)
+    assert result.cost_kind == "ttft" and all(r.cost > 0 for r in result.candidates)
+    assert [r.cost for r in result.candidates] == sorted(r.cost for r in result.candidates)
+    with pytest.raises(ConfigError, match="cost="):
+        calibrate(engine, prompts, CANDIDATES, cost="seconds", progress=False)
+
+
+def test_prompts_from_a_jsonl_of_questions_and_passages(tmp_path):
+    from cacheblend_rag.bench.calibrate_commands import load_examples
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"question": "Q1?", "passages": ["one", {"title": "T", "text": "two"}]}) + "\n\n"
+                    + json.dumps({"question": "Q2?", "passages": ["three"], "answers": "x"}) + "\n")
+    args = build_parser().parse_args(["calibrate", "--data", str(data)])
+    examples = load_examples(args)
+    assert [(e.question, e.passages, e.answers) for e in examples] == [
+        ("Q1?", [("", "one"), ("T", "two")], []), ("Q2?", [("", "three")], ["x"])]
+    data.write_text('{"question": "Q?"}\n')
+    with pytest.raises(ConfigError, match="line 1"):
+        load_examples(args)
+
+
+def test_warm_computes_chunks_as_the_calibration_chose(tmp_path, capsys):
+    from langchain_cacheblend import ChatCacheBlend
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.cli import main as cli_main
+    from cacheblend_rag.testing import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model")
+    loaded = CacheBlendEngine.from_pretrained(str(folder))
+    chunks = ["Paris is the capital of France. The quick brown fox jumps over the lazy dog.",
+              "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean."]
+    prompt = build_prompt(loaded.tokenizer, MusiqueExample("Where is Paris?", [], [("", c) for c in chunks]),
+                          passages=2)
+    result = calibrate(loaded, [prompt], "kv_deviation@1.0", teacher_tokens=2, progress=False)
+    result.save()
+    assert not result.chosen.condition_chunks
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(chunks))
+    store = tmp_path / "kv"
+    assert cli_main(["warm", "--model", str(folder), "--path", str(store), "--no-progress", str(corpus)]) == 0
+    assert "computing chunks alone" in capsys.readouterr().err
+    # The integration, left to its defaults, computes chunks alone too, and finds every one warm wrote.
+    chat = ChatCacheBlend(model=str(folder), store_path=str(store), max_tokens=3)
+    assert chat.config_source.startswith("calibrated") and not chat.conditions_chunks
+    assert chat.warm(chunks, show_progress=False).present == 2
