@@ -1,6 +1,6 @@
 """MuSiQue benchmark: TTFT, throughput and quality of every method against full prefill.
 
-Same options as ``cacheblend-rag bench``; for example, the README's results table:
+Same options as ``cacheblend-rag bench``; for example, a results table like those of docs/performance.md:
 
     python benchmarks/bench_musique.py --data ../shared/data/musique_dev.json \
         --out results/musique.json --plot results/musique.png
