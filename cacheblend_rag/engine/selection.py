@@ -264,6 +264,31 @@ class ProfiledDeviation(SelectionStrategy):
         return torch.sort(torch.cat([read, rest])).values
 
 
+@dataclass(frozen=True)
+class StaleImpact(SelectionStrategy):
+    """The tokens whose stale KV would move the answer most: the attention the question pays a
+    token (from a profile pass) times how far its V moves when its real context is restored (the
+    check layer's deviation). A token the question never reads costs nothing however stale it is,
+    and a read token whose KV barely changes needs no recompute."""
+
+    name: ClassVar[str] = "stale_impact"
+    deviation: DeviationKind = "value"
+    profile_layers: int | None = None
+    profile_tokens: int | None = 16
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=1, profile=ProfileRequest(self.profile_layers, self.profile_tokens))
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "StaleImpact":
+        return cls(deviation=cfg.deviation, profile_layers=cfg.profile_layers, profile_tokens=cfg.profile_tokens)
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        impact = ctx.question_attention().float() * ctx.deviation_scores(self.deviation).sqrt()
+        return top_indices(impact, ctx.budget)
+
+
 _REGISTRY: dict[str, type[SelectionStrategy]] = {}
 
 
@@ -273,7 +298,7 @@ def register_strategy(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     return cls
 
 
-for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter, QueryProfiled, ProfiledDeviation):
+for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter, QueryProfiled, ProfiledDeviation, StaleImpact):
     register_strategy(_cls)
 
 
