@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine.decode import Decoding, decode_logits
-from cacheblend_rag.engine.results import GenerationResult, KVSourceProvider
+from cacheblend_rag.engine.kv_source import KVSourceProvider
+from cacheblend_rag.engine.results import GenerationResult
 from cacheblend_rag.errors import BlendInputError
 
 if TYPE_CHECKING:
