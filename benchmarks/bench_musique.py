@@ -8,7 +8,7 @@ Same options as ``cacheblend-rag bench``; for example, a results table like thos
 
 import sys
 
-from cacheblend_rag.bench.commands import main
+from cacheblend_rag.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))
