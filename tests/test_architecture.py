@@ -1,17 +1,21 @@
 """The layers of the core package, as docs/design.md draws them, checked on the import graph.
 
-Every import counts, also one inside a function, except those under ``if TYPE_CHECKING:``
-(annotations only). A floor may import the floors below it, never one above.
+Every import counts: at module level, inside a function, under ``if TYPE_CHECKING:`` (a reader
+follows a type-only import as far as any other) and a module named in a string (``importlib``
+over a table of plugin modules). A floor may import the floors below it, never one above, and no
+module of the package or of the integration packages reaches itself through its imports.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "cacheblend_rag"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cacheblend_rag"
 
 # What each part of the core may import from the package (besides itself).
 ALLOWED: dict[str, set[str]] = {
@@ -25,49 +29,80 @@ ALLOWED: dict[str, set[str]] = {
     "prompting": {"engine"},
     "testing": {"engine", "config"},
     "serving": {"engine", "store", "prompting", "config", "errors", "models", "concurrency", "testing"},
-    "bench": {"engine", "store", "prompting", "config", "errors", "models", "data", "cli", "__init__"},
-    "cli": {"store", "bench", "errors"},
+    "bench": {"engine", "store", "prompting", "config", "errors", "models", "data", "__init__"},
+    "cli": {"store", "bench", "models", "errors"},  # the command groups, imported by name
     "__init__": {"config", "engine", "errors", "models"},
 }
 FRAMEWORKS = ("llama_index", "langchain", "langchain_core", "langchain_cacheblend")
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of the modules ``path`` imports, outside ``if TYPE_CHECKING:`` blocks."""
-    tree = ast.parse(path.read_text())
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
+def _integration_sources() -> dict[str, Path]:
+    """The integration packages' modules (each distribution's folder is its import root), tests aside."""
+    sources = {}
+    for dist in sorted(p for p in (ROOT / "integrations").iterdir() if p.is_dir()):
+        for path in dist.rglob("*.py"):
+            if "tests" not in path.relative_to(dist).parts:
+                sources[_module_name(path, dist)] = path
+    return sources
+
+
+MODULES = {_module_name(p, ROOT): p for p in PACKAGE.rglob("*.py")}
+EVERY_MODULE = {**MODULES, **_integration_sources()}
+
+
+def _import_nodes(tree: ast.AST):
+    """Each node of ``tree`` with how it runs: ``""`` (on import), ``"in a function"`` or ``"type-only"``."""
+    todo = [(child, "") for child in ast.iter_child_nodes(tree)]
+    while todo:
+        node, kind = todo.pop()
+        yield node, kind
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for child in node.body for n in ast.walk(child))
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
+            todo += [(child, "type-only") for child in node.body] + [(child, kind) for child in node.orelse]
             continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind != "type-only":
+            kind = "in a function"
+        todo += [(child, kind) for child in ast.iter_child_nodes(node)]
+
+
+def _imports(module: str, path: Path, known: dict[str, Path] = EVERY_MODULE) -> dict[str, set[str]]:
+    """Absolute names of what ``module`` (at ``path``) imports, each with how (see :func:`_import_nodes`,
+    and ``"by name"`` for a string that spells the dotted name of a module in ``known``)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: dict[str, set[str]] = {}
+    for node, kind in _import_nodes(ast.parse(path.read_text())):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
+                origin = ".".join(base + ([node.module] if node.module else []))
             else:
-                module = node.module or ""
-            names.add(module)
-            # ``from cacheblend_rag.engine import gate`` imports the module cacheblend_rag.engine.gate
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
+                origin = node.module or ""
+            # ``from cacheblend_rag.engine import gate`` imports the module gate; the package's
+            # __init__ counts only for a name it defines itself.
+            submodules = [f"{origin}.{alias.name}" for alias in node.names if f"{origin}.{alias.name}" in known]
+            names = submodules + ([origin] if len(submodules) < len(node.names) else [])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
+                and node.value in known:
+            # A dotted name only: a bare package name is as often a label (a version key, a namespace).
+            names, kind = [node.value], "by name"
+        for name in names:
+            if name != module:
+                found.setdefault(name, set()).add(kind)
+    return found
 
 
-MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-GRAPH = {name: {i for i in _imports(path) if i in MODULES and i != name} for name, path in MODULES.items()}
+IMPORTS = {name: _imports(name, path) for name, path in EVERY_MODULE.items()}
+# module -> module it imports -> how
+GRAPH = {name: {i: kinds for i, kinds in imported.items() if i in EVERY_MODULE} for name, imported in IMPORTS.items()}
 
 
 def _part(module: str) -> str:
@@ -86,34 +121,104 @@ def test_imports_stay_on_their_floor(module):
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_the_core_never_imports_a_framework(module):
-    frameworks = sorted(i for i in _imports(MODULES[module]) if i.split(".")[0] in FRAMEWORKS)
+    frameworks = sorted(i for i in IMPORTS[module] if i.split(".")[0] in FRAMEWORKS)
     assert not frameworks, f"{module} imports {frameworks}: framework code belongs in integrations/"
 
 
+def _cycles(graph: dict[str, dict[str, set[str]]]) -> list[str]:
+    """One loop per knot of mutually importing modules (a strongly connected component), shortest
+    from its first module, as ``a -> b (type-only) -> a``: each step says how it imports, if not on
+    import, and the knot's other modules follow."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    knots: list[list[str]] = []
+
+    def connect(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            knot = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(knot) > 1:
+                knots.append(sorted(knot))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    loops = []
+    for knot in sorted(knots):
+        first, members = knot[0], set(knot)
+        came_from: dict[str, str] = {}
+        queue = deque([first])
+        while first not in came_from:
+            node = queue.popleft()
+            for nxt in sorted(graph[node]):
+                if nxt in members and nxt not in came_from:
+                    came_from[nxt] = node
+                    queue.append(nxt)
+        path = [first]
+        while len(path) == 1 or path[-1] != first:
+            path.append(came_from[path[-1]])
+        path.reverse()
+        steps = [path[0]]
+        for a, b in zip(path, path[1:]):
+            how = ", ".join(sorted(k for k in graph[a][b] if k))
+            steps.append(f"{b} ({how})" if how else b)
+        others = sorted(members - set(path))
+        loops.append(" -> ".join(steps) + (f"; in the same knot: {', '.join(others)}" if others else ""))
+    return loops
+
+
 def test_no_import_cycles():
-    """Depth-first search for a cycle among the package's own modules."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
+    """Across the package and the integration packages, type-only and by-name imports included; a
+    package's __init__ re-exporting its modules counts too, so a module importing its own package's
+    __init__ is a cycle (it works only in the order the __init__ happens to import things)."""
+    loops = _cycles(GRAPH)
+    assert not loops, "import cycles:\n  " + "\n  ".join(loops)
 
-    def visit(module: str) -> list[str] | None:
-        state[module] = 1
-        path.append(module)
-        for imported in sorted(GRAPH[module]):
-            # A package's __init__ importing its own submodules is how it re-exports them, not a cycle.
-            if module == imported.rpartition(".")[0] or MODULES[module].name == "__init__.py" and \
-                    imported.startswith(module + "."):
-                continue
-            if state.get(imported) == 1:
-                return path[path.index(imported):] + [imported]
-            if imported not in state and (cycle := visit(imported)):
-                return cycle
-        path.pop()
-        state[module] = 2
-        return None
 
-    for module in sorted(MODULES):
-        if module not in state and (cycle := visit(module)):
-            pytest.fail("import cycle: " + " -> ".join(cycle))
+def test_the_layers_are_floors():
+    """No layer may import, itself or through others, a layer allowed to import it."""
+    loops = _cycles({part: {other: {""} for other in allowed} for part, allowed in ALLOWED.items()})
+    assert not loops, "ALLOWED lets layers import each other:\n  " + "\n  ".join(loops)
+
+
+def test_the_graph_counts_every_kind_of_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from cacheblend_rag.engine import gate, CacheBlendEngine\n"
+        "if TYPE_CHECKING:\n"
+        "    from cacheblend_rag.engine.blend import CacheBlendEngine\n"
+        "else:\n"
+        "    import cacheblend_rag.errors\n"
+        "def later():\n"
+        "    from .config import BlendConfig\n"
+        "PLUGINS = ('cacheblend_rag.cli',)\n"
+    )
+    imports = _imports("cacheblend_rag.probe", probe)
+    assert {name: kinds for name, kinds in imports.items() if name.startswith("cacheblend_rag")} == {
+        "cacheblend_rag.engine.gate": {""},
+        "cacheblend_rag.engine": {""},  # for CacheBlendEngine, which the package's __init__ defines
+        "cacheblend_rag.engine.blend": {"type-only"},
+        "cacheblend_rag.errors": {""},
+        "cacheblend_rag.config": {"in a function"},
+        "cacheblend_rag.cli": {"by name"},
+    }
+
+
+def test_a_cycle_names_its_modules_and_how_they_import():
+    graph = {"a": {"b": {""}}, "b": {"c": {"in a function"}}, "c": {"a": {"type-only"}, "d": {""}}, "d": {}}
+    assert _cycles(graph) == ["a -> b -> c (in a function) -> a (type-only)"]
+    graph["a"]["e"], graph["e"] = {""}, {"a": {""}}
+    assert _cycles(graph) == ["a -> e -> a; in the same knot: b, c"]
 
 
 def test_no_library_function_is_longer_than_80_lines():

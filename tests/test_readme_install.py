@@ -83,6 +83,16 @@ def test_every_readme_opens_with_the_whole_install(readme):
     compile(snippet, str(readme), "exec")
 
 
+
+def test_the_root_readmes_whole_snippets_are_ones_the_slow_test_runs():
+    """The root README's "Use it" shows the LlamaIndex and the LangChain package's first snippets word for
+    word, so the slow test, which runs each README's first snippet, runs every whole one it shows."""
+    text = ROOT_README.read_text(encoding="utf-8")
+    whole = [s for s in re.findall(r"```python\n(.*?)```", text[text.index("\n## Use it\n"):], re.S)
+             if "get_model_path" in s]
+    firsts = {readme_blocks(readme)[1] for readme in READMES}
+    assert len(whole) >= 2 and all(s in firsts for s in whole), "a whole snippet differs from every README's first"
+
 def _installed_closure(lines: list[list[str]]) -> set[str]:
     """The distributions the pip lines install: those named, and (unless ``--no-deps``) what they require,
     as this virtualenv's metadata says (extras left out)."""

@@ -16,7 +16,7 @@ engine runs it (:mod:`cacheblend_rag.engine.blend_run`):
 * a choice before layer 0 (the default, ``query_profiled``): a profile pass of the question's
   last ``profile_tokens`` through every layer, then ``s`` in every layer but the last.
 
-The README's and docs/quality.md's hand count takes ``s = r + fresh / N`` and about 0.02 for the
+The hand count of docs/performance.md and docs/quality.md takes ``s = r + fresh / N`` and about 0.02 for the
 last layer (5.41 units, 5.2x, for Qwen2.5-1.5B at 3,000 tokens); counted as here it is 5.33
 units, 5.25x: the same bound to two digits.
 """

@@ -129,10 +129,3 @@ def run_command(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot written to {plot_speedup_vs_kl(document, args.plot)}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``cacheblend-rag bench`` with ``argv`` (for scripts under benchmarks/)."""
-    from cacheblend_rag.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

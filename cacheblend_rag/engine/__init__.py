@@ -2,8 +2,8 @@
 
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
-from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
-from cacheblend_rag.engine.results import BlendResult, BlendStats, KVSourceProvider
+from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource, KVSourceProvider
+from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, StoredSegment
 from cacheblend_rag.engine.selection import (
     SelectionStrategy,

@@ -26,10 +26,10 @@ from cacheblend_rag.engine import gate
 from cacheblend_rag.engine.blend_run import BlendRun
 from cacheblend_rag.engine.calibrated import CalibratedSetting, describe_config, load_calibration
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
-from cacheblend_rag.engine.kv_source import open_cached_source
+from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
 from cacheblend_rag.engine.layout import PromptLayout
 from cacheblend_rag.engine.precompute import precompute_chunks
-from cacheblend_rag.engine.results import BlendResult, BlendStats, KVSourceProvider
+from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.engine.segments import (
     CachedSegment,
     ChunkKV,

@@ -17,17 +17,36 @@ reason. It holds no thread and no lock; :mod:`cacheblend_rag.serving.scheduler` 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine.results import BlendResult, GenerationResult
+from cacheblend_rag.models.adapters import DecoderAdapter
 
-if TYPE_CHECKING:
-    from cacheblend_rag.engine.blend import CacheBlendEngine
-    from cacheblend_rag.engine.generate import TokenSampler
+
+class DecodingModel(Protocol):
+    """What decoding reads of an engine: the model and its adapter (``None``: the model's own
+    forward decodes), the tokenizer that turns tokens into text, and the context window. The
+    engine and a server's scheduler both drive decoding, so it names these instead of importing
+    the engine, which imports it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    adapter: DecoderAdapter | None
+    device: torch.device
+
+    @property
+    def context_window(self) -> int: ...
+
+
+class Sampler(Protocol):
+    """Picks a request's next token from its logits and the answer so far
+    (:class:`~cacheblend_rag.engine.generate.TokenSampler` is the one the engine uses)."""
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int] = ()) -> int: ...
 
 
 class DecodingKV:
@@ -68,7 +87,7 @@ class DecodingKV:
 
 
 @torch.inference_mode()
-def decode_logits(engine: "CacheBlendEngine", batch: Sequence["Decoding"]) -> torch.Tensor:
+def decode_logits(engine: DecodingModel, batch: Sequence["Decoding"]) -> torch.Tensor:
     """One decoding step for every request of ``batch`` (none finished): feeds each its pending
     token at its position and returns the next-token logits, ``[len(batch), vocab]``."""
     a = engine.adapter
@@ -95,7 +114,7 @@ def decode_logits(engine: "CacheBlendEngine", batch: Sequence["Decoding"]) -> to
     return a.final_logits(hidden)[:, -1]
 
 
-def _model_forward(engine: "CacheBlendEngine", d: "Decoding") -> torch.Tensor:
+def _model_forward(engine: DecodingModel, d: "Decoding") -> torch.Tensor:
     ids = torch.tensor([[d.token]], dtype=torch.long, device=engine.device)
     pos = torch.tensor([[d.position]], dtype=torch.long, device=engine.device)
     return engine.model(input_ids=ids, cache=d.cache, position_ids=pos, use_cache=True).logits[0, -1]
@@ -114,8 +133,8 @@ class Decoding:
     finish the request), then, unless :attr:`done`, run a step (:func:`decode_logits`) and hand
     this request its logits through :meth:`advance`."""
 
-    def __init__(self, engine: "CacheBlendEngine", gen: GenerationConfig, blended: BlendResult,
-                 sampler: "TokenSampler", eos: set[int], started: float) -> None:
+    def __init__(self, engine: DecodingModel, gen: GenerationConfig, blended: BlendResult,
+                 sampler: Sampler, eos: set[int], started: float) -> None:
         self.engine = engine
         self.gen = gen
         self.sampler = sampler

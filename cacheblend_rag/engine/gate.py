@@ -9,15 +9,14 @@ model (per fingerprint and device) a short synthetic prompt of two chunks is ble
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
 from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.results import BlendResult
+from cacheblend_rag.engine.segments import ChunkKV, SegmentLike
 from cacheblend_rag.errors import CorrectnessGateError
-
-if TYPE_CHECKING:
-    from cacheblend_rag.engine.blend import CacheBlendEngine
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +24,32 @@ logger = logging.getLogger(__name__)
 RESULTS: dict[tuple[str, str], tuple[bool, float]] = {}
 
 
-def tolerance(engine: "CacheBlendEngine", cfg: BlendConfig) -> float:
+class GatedModel(Protocol):
+    """What the gate needs of an engine: the model's identity (the key it remembers results by) and
+    the engine's own precompute, blend and full prefill, which it compares. The engine calls the gate
+    before it blends, so the gate names these instead of importing the engine."""
+
+    model: torch.nn.Module
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def prefill_chunks(self, chunks: Sequence[Sequence[int]]) -> list[ChunkKV]: ...
+
+    def blend(self, segments: Iterable[SegmentLike], *, config: BlendConfig | None = None) -> BlendResult: ...
+
+    def full_prefill(self, token_ids: Sequence[int]) -> BlendResult: ...
+
+    def run_gate(self, cfg: BlendConfig) -> tuple[bool, float]: ...
+
+
+def tolerance(engine: GatedModel, cfg: BlendConfig) -> float:
     """``cfg.gate_tolerance``, else what the compute dtype can hold: a relative error of 1e-3 in
     float32 and 5e-2 in 16-bit (bfloat16 keeps 8 bits of mantissa, a relative step of 0.4%,
     and a 30-layer model accumulates several such roundings per logit)."""
@@ -34,7 +58,7 @@ def tolerance(engine: "CacheBlendEngine", cfg: BlendConfig) -> float:
     return 1e-3 if engine.dtype == torch.float32 else 5e-2
 
 
-def passed(engine: "CacheBlendEngine", cfg: BlendConfig) -> bool:
+def passed(engine: GatedModel, cfg: BlendConfig) -> bool:
     """Whether ``engine`` may blend. A failed gate raises :class:`CorrectnessGateError`, or, with
     ``cfg.fallback_to_full_prefill``, logs a warning and returns ``False``."""
     key = (engine.fingerprint, f"{engine.device}")
@@ -54,7 +78,7 @@ def passed(engine: "CacheBlendEngine", cfg: BlendConfig) -> bool:
     raise CorrectnessGateError(message)
 
 
-def run(engine: "CacheBlendEngine", cfg: BlendConfig, check_layer: int) -> tuple[bool, float]:
+def run(engine: GatedModel, cfg: BlendConfig, check_layer: int) -> tuple[bool, float]:
     """Blend a short synthetic prompt at ratio 1.0 and compare with the model's own prefill."""
     vocab = engine.model.config.get_text_config(decoder=True).vocab_size
     ids = [(17 + 7919 * i) % vocab for i in range(48)]

@@ -5,22 +5,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Generic, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
-from cacheblend_rag.engine.decode import Decoding, decode_logits
-from cacheblend_rag.engine.results import GenerationResult, KVSourceProvider
+from cacheblend_rag.engine.decode import Decoding, DecodingModel, decode_logits
+from cacheblend_rag.engine.kv_source import KVSourceProvider
+from cacheblend_rag.engine.results import BlendResult, GenerationResult
+from cacheblend_rag.engine.segments import SegmentLike
 from cacheblend_rag.errors import BlendInputError
 
-if TYPE_CHECKING:
-    from cacheblend_rag.engine.blend import CacheBlendEngine
-    from cacheblend_rag.engine.segments import SegmentLike
-
 R = TypeVar("R")
+
+
+class BlendingModel(DecodingModel, Protocol):
+    """What generation needs of an engine: decoding's needs, and a blend of the prompt to decode from
+    (the engine's ``generate`` hands itself in; naming the engine here would import it back)."""
+
+    def blend(
+        self, segments: Iterable[SegmentLike], *, config: BlendConfig | None = None,
+        store: KVSourceProvider | None = None,
+    ) -> BlendResult: ...
 
 
 def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
@@ -89,7 +97,7 @@ class TokenSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def eos_token_ids(engine: "CacheBlendEngine") -> set[int]:
+def eos_token_ids(engine: DecodingModel) -> set[int]:
     """End-of-sequence ids from the generation config and the tokenizer (either may list several)."""
     ids: set[int] = set()
     for source in (getattr(engine.model, "generation_config", None), engine.tokenizer):
@@ -144,8 +152,8 @@ def _merge_generation(generation: GenerationConfig | None, overrides: dict[str, 
 
 
 def run_generation(
-    engine: "CacheBlendEngine",
-    segments: Iterable["SegmentLike"],
+    engine: BlendingModel,
+    segments: Iterable[SegmentLike],
     generation: GenerationConfig | None,
     config: BlendConfig | None,
     store: KVSourceProvider | None,
@@ -158,8 +166,8 @@ def run_generation(
 
 
 def start_decoding(
-    engine: "CacheBlendEngine",
-    segments: list["SegmentLike"],
+    engine: BlendingModel,
+    segments: list[SegmentLike],
     gen: GenerationConfig,
     config: BlendConfig | None,
     store: KVSourceProvider | None,
@@ -184,8 +192,8 @@ def start_decoding(
 
 
 def _decode(
-    engine: "CacheBlendEngine",
-    segments: list["SegmentLike"],
+    engine: BlendingModel,
+    segments: list[SegmentLike],
     gen: GenerationConfig,
     config: BlendConfig | None,
     store: KVSourceProvider | None,

@@ -1,4 +1,4 @@
-"""Where the blend reads cached K/V from, one layer at a time.
+"""Where the blend reads cached K/V from, one layer at a time, and what it needs of a store for that.
 
 The engine asks for layer ``l`` of *all* cached tokens, in prompt order, exactly
 when it needs it. A source backed by slow storage uses that order to fetch
@@ -8,14 +8,11 @@ layer ``l + 1`` while layer ``l`` computes (see ``cacheblend_rag.store.loader``)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, Segment, StoredSegment
-
-if TYPE_CHECKING:
-    from cacheblend_rag.engine.results import KVSourceProvider
 
 
 class CachedKVSource(ABC):
@@ -126,8 +123,19 @@ class InterleavedKVSource(CachedKVSource):
             source.close()
 
 
+class KVSourceProvider(Protocol):
+    """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
+
+    def open_source(
+        self, engine: Any, segments: Sequence[StoredSegment], *, first_layer: int = 0
+    ) -> tuple[CachedKVSource, int, int]:
+        """Returns the source (stored chunks concatenated in order), hits and misses.
+        ``first_layer`` is the first layer the blend will read, so a loader can fetch it first."""
+        ...
+
+
 def open_cached_source(
-    engine: Any, segs: Sequence[Segment], store: "KVSourceProvider | None", first_layer: int
+    engine: Any, segs: Sequence[Segment], store: KVSourceProvider | None, first_layer: int
 ) -> tuple[CachedKVSource, int, int]:
     """One source over every cached segment of ``segs`` in prompt order (in-memory chunks and
     stored ones read through ``store``), with the numbers of cache hits and misses."""

@@ -1,16 +1,12 @@
-"""What a blend returns, and what it needs from a store. A leaf: imports nothing of the engine's."""
+"""What a blend and a generation return. A leaf: imports nothing of the engine's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
-
-if TYPE_CHECKING:
-    from cacheblend_rag.engine.kv_source import CachedKVSource
-    from cacheblend_rag.engine.segments import StoredSegment
 
 
 @dataclass
@@ -98,13 +94,3 @@ class GenerationResult:
             **self.stats.to_dict(),
         }
 
-
-class KVSourceProvider(Protocol):
-    """What ``blend(store=...)`` needs from a store: a layer-wise source for stored chunks."""
-
-    def open_source(
-        self, engine: Any, segments: Sequence["StoredSegment"], *, first_layer: int = 0
-    ) -> tuple["CachedKVSource", int, int]:
-        """Returns the source (stored chunks concatenated in order), hits and misses.
-        ``first_layer`` is the first layer the blend will read, so a loader can fetch it first."""
-        ...

@@ -234,6 +234,61 @@ class QueryProfiled(SelectionStrategy):
         return top_indices(ctx.question_attention(), ctx.budget)
 
 
+@dataclass(frozen=True)
+class ProfiledDeviation(SelectionStrategy):
+    """Both signals at once: a profile pass (as ``query_profiled``) says which cached tokens the
+    question reads, the check layer's deviation (as CacheBlend) says which ones cross-chunk
+    attention changes. ``query_weight`` of the budget goes to the most read tokens, the rest to
+    the most deviating of the others."""
+
+    name: ClassVar[str] = "profiled_deviation"
+    deviation: DeviationKind = "value"
+    query_weight: float = 0.5
+    profile_layers: int | None = None
+    profile_tokens: int | None = 16
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=1, profile=ProfileRequest(self.profile_layers, self.profile_tokens))
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "ProfiledDeviation":
+        return cls(deviation=cfg.deviation, query_weight=cfg.query_weight, profile_layers=cfg.profile_layers,
+                   profile_tokens=cfg.profile_tokens)
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        read = top_indices(ctx.question_attention(), int(round(self.query_weight * ctx.budget)))
+        deviation = ctx.deviation_scores(self.deviation)
+        deviation[read] = -math.inf
+        rest = top_indices(deviation, ctx.budget - read.numel())
+        return torch.sort(torch.cat([read, rest])).values
+
+
+@dataclass(frozen=True)
+class StaleImpact(SelectionStrategy):
+    """The tokens whose stale KV would move the answer most: the attention the question pays a
+    token (from a profile pass) times how far its V moves when its real context is restored (the
+    check layer's deviation). A token the question never reads costs nothing however stale it is,
+    and a read token whose KV barely changes needs no recompute."""
+
+    name: ClassVar[str] = "stale_impact"
+    deviation: DeviationKind = "value"
+    profile_layers: int | None = None
+    profile_tokens: int | None = 16
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=1, profile=ProfileRequest(self.profile_layers, self.profile_tokens))
+
+    @classmethod
+    def from_config(cls, cfg: BlendConfig) -> "StaleImpact":
+        return cls(deviation=cfg.deviation, profile_layers=cfg.profile_layers, profile_tokens=cfg.profile_tokens)
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        impact = ctx.question_attention().float() * ctx.deviation_scores(self.deviation).sqrt()
+        return top_indices(impact, ctx.budget)
+
+
 _REGISTRY: dict[str, type[SelectionStrategy]] = {}
 
 
@@ -243,7 +298,7 @@ def register_strategy(cls: type[SelectionStrategy]) -> type[SelectionStrategy]:
     return cls
 
 
-for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter, QueryProfiled):
+for _cls in (KVDeviation, SinkAware, QueryAware, GradualFilter, QueryProfiled, ProfiledDeviation, StaleImpact):
     register_strategy(_cls)
 
 

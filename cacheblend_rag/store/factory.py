@@ -20,13 +20,14 @@ from __future__ import annotations
 import importlib
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore
+# register_store_scheme lives with the table a backend registers into (a leaf it can import); it is
+# imported here too because the docstring above, and callers, find it on the factory.
+from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_scheme
 
-StoreFactory = Callable[..., KVStore]
-_SCHEMES: dict[str, StoreFactory] = {}
 # scheme -> module that calls register_store_scheme(scheme, ...) when imported
 _LAZY_SCHEMES = {"redis": "cacheblend_rag.store.redis_store", "rediss": "cacheblend_rag.store.redis_store"}
 
@@ -43,11 +44,6 @@ def parse_size(text: str | int) -> int:
         raise ConfigError(f"size {text!r} is not understood; write a number of bytes with an optional unit "
                           f"({', '.join(u.upper() for u in _UNITS if u)}), e.g. 512MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def register_store_scheme(scheme: str, factory: StoreFactory) -> None:
-    """Make ``open_store("scheme://...")`` call ``factory(spec, **options)``."""
-    _SCHEMES[scheme.lower()] = factory
 
 
 def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | None = None, **options: Any) -> KVStore:

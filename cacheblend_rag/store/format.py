@@ -25,7 +25,7 @@ Without a store key the tag detects damage (torn writes, bit rot, truncation), n
 whoever can write the store can write a consistent value. With a key (authenticated mode,
 :class:`Tagger`) every tag is an HMAC-SHA256 over the value, and a manifest's MAC covers the
 MAC of each of its layers, so no one without the key can make an entry a reader accepts. XXH3
-checks at about 10 GB/s on the machine the README reports from, SHA-256 at about 1 GB/s
+checks at about 10 GB/s on the machine docs/performance.md reports from, SHA-256 at about 1 GB/s
 (with the CPU's SHA extensions), which is why the keyed MAC is a choice, not the default.
 
 Decoding never unpickles, never trusts a length it has not checked against the data, and

@@ -52,8 +52,8 @@ from redis.retry import Retry
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
-from cacheblend_rag.store.factory import register_store_scheme
 from cacheblend_rag.store.format import peek_manifest
+from cacheblend_rag.store.schemes import register_store_scheme
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""The fault trial of the README (benchmarks/fault_trial.py) on the embedded model: every fault but
+"""The fault trial of docs/operations.md (benchmarks/fault_trial.py) on the embedded model: every fault but
 the one it is there to show (a forged entry in a store without a key) is survived, and the file
 planted outside the store is never touched.
 
-The trial runs whole, every group and every case, on shorter passages than the README's run
+The trial runs whole, every group and every case, on shorter passages than the published run
 (32-token chunks instead of 120, load passages of 48 tokens instead of whole ones): what a case
 checks does not depend on a chunk's length, and each request costs a fraction as much."""
 
