@@ -738,4 +738,8 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
             on_partial({**document(outcomes), "partial": not finished(outcomes)})
 
     outcomes = runner.run(examples, on_example=partial, previous=previous)
+    left_out = sorted(set(previous or {}) - {o.index for o in outcomes})
+    if left_out:
+        logger.warning("--resume: the result holds questions this run does not select (--n, --answerable), left "
+                       "out of the new document (the backup keeps them): %s", left_out)
     return {**document(outcomes), "partial": not finished(outcomes)}

@@ -99,6 +99,10 @@ def plot_recovery_by_ratio(document: dict[str, Any], path: str | Path) -> Path:
                    ylabel="recovery: 1 - KL(method) / KL(full reuse), %", legend_title="solid: prefix-conditioned")
 
 
+# Ten distinct colours, then the same colours dashed: lines of similar methods must not hide each other.
+_STYLES = ("-", "--", ":")
+
+
 def _diagnosed(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Each method's diagnostics over the questions that have them, in the document's method order."""
     out: dict[str, list[dict[str, Any]]] = {m["name"]: [] for m in document["methods"]}
@@ -132,14 +136,15 @@ def plot_stale_kv_distance(document: dict[str, Any], path: str | Path) -> Path:
     if not diagnosed:
         raise ValueError("no K/V diagnostics in this result; run `cacheblend-rag bench --diagnostics`")
     fig, axes = plt.subplots(1, 3, figsize=(15, 5), dpi=120)
-    colors = plt.get_cmap("tab20")
+    colors = plt.get_cmap("tab10")
     panels = [("K", lambda d: d["kv_distance"]["stale"]["k"]), ("V", lambda d: d["kv_distance"]["stale"]["v"]),
               ("attention", lambda d: d["attention_share"]["stale"])]
     for i, (name, found) in enumerate(diagnosed.items()):
         for ax, (_, pick) in zip(axes, panels):
             means = _mean_by_index([pick(d) for d in found if "kv_distance" in d])
             layers = [layer for layer, v in enumerate(means) if v is not None]
-            ax.plot(layers, [means[layer] for layer in layers], marker=".", color=colors(i % 20), label=name)
+            ax.plot(layers, [means[layer] for layer in layers], marker=".", color=colors(i % 10),
+                    linestyle=_STYLES[(i // 10) % len(_STYLES)], label=name)
     axes[0].set_ylabel("stale tokens: mean ||K_blend - K_full|| / ||K_full||")
     axes[1].set_ylabel("stale tokens: mean ||V_blend - V_full|| / ||V_full||")
     axes[2].set_ylabel("share of the question's attention on stale entries")
@@ -168,10 +173,11 @@ def plot_kl_by_position(document: dict[str, Any], path: str | Path) -> Path:
     if not diagnosed:
         raise ValueError("no diagnostics in this result; run `cacheblend-rag bench --diagnostics`")
     fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
-    colors = plt.get_cmap("tab20")
+    colors = plt.get_cmap("tab10")
     for i, (name, found) in enumerate(diagnosed.items()):
         means = _mean_by_index([d["kl_by_position"] for d in found])
-        ax.plot(range(len(means)), means, marker=".", color=colors(i % 20), label=name)
+        ax.plot(range(len(means)), means, marker=".", color=colors(i % 10),
+                linestyle=_STYLES[(i // 10) % len(_STYLES)], label=name)
     ax.set_yscale("symlog", linthresh=1e-4)
     return _finish(fig, ax, document, path, xlabel="answer position (teacher-forced token)",
                    ylabel="mean KL(full prefill || method), nats", legend_title="method")

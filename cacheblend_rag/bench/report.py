@@ -106,7 +106,9 @@ def build_document(
             "dtype": str(engine.dtype).replace("torch.", ""),
         },
         "blend_config": blend_config.to_dict(),
-        "store": {"kind": config.store, "backend": store_backend, "storage_dtype": config.storage_dtype},
+        "store": {"kind": config.store, "backend": store_backend, "storage_dtype": config.storage_dtype,
+                  # A persistent store (--store disk:PATH) that later runs read chunks back from.
+                  "path": getattr(config, "store_path", None)},
         "data": {
             "path": str(config.data),
             "examples": len(outcomes),
