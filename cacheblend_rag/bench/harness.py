@@ -413,7 +413,11 @@ class BenchmarkRunner:
                               teacher_ids=run.answer_tokens(cfg.teacher_tokens), teacher_logits=run.teacher_logits,
                               kv=run.prompt_kv)
         if self.references is not None:
-            self.references.put(fingerprint, prompt.input_ids, reference, **settings)
+            try:
+                self.references.put(fingerprint, prompt.input_ids, reference, **settings)
+            except OSError as exc:  # a full or read-only disk costs the next run a prefill, not this run
+                logger.warning("could not store full prefill's reference in %s (%s); the run goes on without",
+                               self.references.root, exc)
         if not run_full_prefill:
             return reference, None
         ttfts = [run.ttft_s] + [time_to_first_token(request) for _ in range(cfg.repeats - 1)]
