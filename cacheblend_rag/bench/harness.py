@@ -721,7 +721,7 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
 
     previous = None
     if resume is not None:
-        check_resumable(resume, document([]))
+        check_resumable(resume, document([]), [spec.to_dict() for spec in runner.specs])
         try:
             previous = {int(e["index"]): outcome_from_dict(e) for e in resume["examples"]}
         except (KeyError, TypeError, ValueError) as exc:

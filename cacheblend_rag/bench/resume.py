@@ -61,9 +61,11 @@ def load_result(path: str | Path) -> dict[str, Any] | None:
     return document
 
 
-def check_resumable(previous: dict[str, Any], current: dict[str, Any]) -> None:
+def check_resumable(previous: dict[str, Any], current: dict[str, Any], specs: list[dict[str, Any]] = ()) -> None:
     """Raise a :class:`ConfigError` naming the first setting in which ``previous`` and ``current``
-    (a document of this run, with no examples yet) differ."""
+    (a document of this run, with no examples yet) differ. ``specs``: this run's methods
+    (``MethodSpec.to_dict()``); a method of the same name in ``previous`` must agree on every field
+    both record (a name that resolves to another setting, say, is not the same method)."""
     def differ(what: str, old: Any, new: Any) -> None:
         raise ConfigError(f"--resume: {what} differs (the result: {old!r}, this run: {new!r}); rerun with the "
                           "result's settings, or write to another --out")
@@ -83,6 +85,12 @@ def check_resumable(previous: dict[str, Any], current: dict[str, Any]) -> None:
         old, new = previous["args"].get(name), current["args"].get(name)
         if old != new and not (name == "blend_options" and not old and not new):
             differ(name, old, new)
+    earlier = {m.get("name"): m for m in previous["methods"] if isinstance(m, dict)}
+    for spec in specs:
+        before = earlier.get(spec["name"])
+        for key, value in spec.items():
+            if before is not None and key in before and before[key] != value:
+                differ(f"method {spec['name']}: {key}", before[key], value)
     if previous.get("blend_config") is not None and previous["blend_config"] != current["blend_config"]:
         keys = sorted(set(previous["blend_config"]) | set(current["blend_config"]))
         first = next(k for k in keys if previous["blend_config"].get(k) != current["blend_config"].get(k))

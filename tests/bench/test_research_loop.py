@@ -165,6 +165,9 @@ def test_resume_refuses_other_settings(engine, musique_file):
     other_model = {**done, "model": {**done["model"], "fingerprint": "another-model"}}
     with pytest.raises(ConfigError, match="model fingerprint differs"):
         run_benchmark(config, engine=engine, resume=other_model)
+    other_method = {**done, "methods": [{**m, "selection": "another"} for m in done["methods"]]}
+    with pytest.raises(ConfigError, match="method full_prefill: selection differs"):
+        run_benchmark(config, engine=engine, resume=other_method)
     other_data = {**done, "data": {**done["data"], "sha256": "0" * 64}}
     with pytest.raises(ConfigError, match=r"data \(SHA-256\) differs"):
         run_benchmark(config, engine=engine, resume=other_data)
