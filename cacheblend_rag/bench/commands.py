@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
+from cacheblend_rag.bench.references import DEFAULT_REFERENCE_DIR
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 from cacheblend_rag.store.codec import STORAGE_DTYPES
@@ -54,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and store")
     model.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
     model.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    model.add_argument("--store", choices=("memory", "disk"), default="memory", help="where chunk KV lives")
+    model.add_argument("--store", type=parse_store, default="memory", metavar="{memory,disk,disk:PATH}",
+                       help="where chunk KV lives: a fresh store per question in memory or on disk, or "
+                            "disk:PATH, one persistent disk store that later runs reuse (a rerun computes no chunk)")
     model.add_argument("--store-dir", default=None, help="parent directory for --store disk (default: the temp dir)")
     model.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default="auto",
                        help="dtype chunk KV is stored in ('auto': 16-bit, the store's default)")
@@ -70,8 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests (one per question, the first N) timed for throughput; 0 skips it")
     timing.add_argument("--throughput-new-tokens", type=int, default=32, help="tokens decoded per throughput request")
 
+    loop = parser.add_argument_group("research loop (docs/quality.md, \"Research loop\")")
+    loop.add_argument("--reference-cache", nargs="?", const=str(DEFAULT_REFERENCE_DIR), default=None, metavar="DIR",
+                      help="keep full prefill's references (greedy answer, teacher-forced logits) in DIR and reuse "
+                           f"them: a cached reference skips full prefill, whose TTFT is then not measured "
+                           f"(without DIR: {DEFAULT_REFERENCE_DIR})")
+    loop.add_argument("--reference-kv", action="store_true",
+                      help="also keep full prefill's prompt K/V in the reference cache (--diagnostics does)")
+    loop.add_argument("--time-full-prefill", action="store_true",
+                      help="with a cached reference, still time full prefill's TTFT (one prefill per repeat)")
+    loop.add_argument("--diagnostics", action="store_true",
+                      help="per question and method: KL by answer position, K/V distance to full prefill per "
+                           "layer, the question's attention on stale entries")
+    loop.add_argument("--resume", action="store_true",
+                      help="read --out, keep its finished (question, method) pairs if its settings match, run "
+                           "only the missing ones; the old file is copied to --out.<time>.bak first")
+
     output = parser.add_argument_group("output")
-    output.add_argument("--out", default=None, help="write the JSON result here")
+    output.add_argument("--out", default=None, help="write the JSON result here (rewritten after every method)")
     output.add_argument("--plot", default=None, help="write a PNG of TTFT speedup against KL here")
     output.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -81,13 +100,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         data=args.data, n=args.n, passages=args.passages, max_passage_tokens=args.max_passage_tokens,
         answerable=args.answerable,
         ratios=args.ratios, methods=args.methods, prefix_conditioned=args.prefix_conditioned,
-        store=args.store, store_dir=args.store_dir, storage_dtype=args.storage_dtype,
+        store=args.store[0], store_path=args.store[1], store_dir=args.store_dir, storage_dtype=args.storage_dtype,
         max_new_tokens=args.max_new_tokens, teacher_tokens=args.teacher_tokens, repeats=args.repeats,
         cold_examples=args.cold_examples, throughput_requests=args.throughput_requests,
         throughput_new_tokens=args.throughput_new_tokens, check_layer=args.check_layer,
         blend_options=parse_blend_options(args.blend_option),
         model=args.model, device=args.device, show_progress=not args.no_progress,
+        reference_cache=args.reference_cache, reference_kv=args.reference_kv,
+        time_full_prefill=args.time_full_prefill, diagnostics=args.diagnostics,
     )
+
+
+def parse_store(text: str) -> tuple[str, str | None]:
+    """``memory``, ``disk`` or ``disk:PATH`` -> (kind, persistent path or None)."""
+    kind, sep, path = text.partition(":")
+    if kind not in ("memory", "disk") or (sep and (kind != "disk" or not path)):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose memory, disk or disk:PATH")
+    return kind, path or None
 
 
 def parse_blend_options(items: list[str]) -> dict[str, Any]:
@@ -110,12 +139,29 @@ def run_command(args: argparse.Namespace) -> int:
     from cacheblend_rag.bench.plot import plot_speedup_vs_kl
     from cacheblend_rag.bench.report import answer_table, describe_run, markdown_table, write_json
 
+    from cacheblend_rag.bench.resume import backup, load_result
+
+    backed_up = False
+
     def checkpoint(document: dict[str, Any]) -> None:
-        # After every question: a run stopped midway keeps the questions it finished.
+        # After every method: a run stopped midway keeps the pairs it finished. The file it replaces
+        # (an earlier run, or the one being resumed) is copied aside first, once.
+        nonlocal backed_up
+        if not backed_up:
+            copy = backup(args.out)
+            if copy is not None:
+                print(f"cacheblend-rag bench: {args.out} copied to {copy} before it is rewritten", file=sys.stderr)
+            backed_up = True
         write_json(document, args.out)
 
     try:
-        document = run_benchmark(config_from_args(args), on_partial=checkpoint if args.out else None)
+        if args.resume and not args.out:
+            raise ConfigError("--resume reads and rewrites --out; pass --out")
+        previous = load_result(args.out) if args.resume else None
+        if args.resume and previous is None:
+            print(f"cacheblend-rag bench: --resume: {args.out} does not exist yet; starting afresh", file=sys.stderr)
+        document = run_benchmark(config_from_args(args), on_partial=checkpoint if args.out else None,
+                                 resume=previous)
     except CacheBlendError as exc:  # bad options or data: say what is wrong, no traceback
         print(f"cacheblend-rag bench: error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +171,8 @@ def run_command(args: argparse.Namespace) -> int:
     print()
     print(answer_table(document))
     if args.out:
-        print(f"\nJSON written to {write_json(document, args.out)}", file=sys.stderr)
+        checkpoint(document)
+        print(f"\nJSON written to {args.out}", file=sys.stderr)
     if args.plot:
         print(f"plot written to {plot_speedup_vs_kl(document, args.plot)}", file=sys.stderr)
     return 0

@@ -106,7 +106,9 @@ def build_document(
             "dtype": str(engine.dtype).replace("torch.", ""),
         },
         "blend_config": blend_config.to_dict(),
-        "store": {"kind": config.store, "backend": store_backend, "storage_dtype": config.storage_dtype},
+        "store": {"kind": config.store, "backend": store_backend, "storage_dtype": config.storage_dtype,
+                  # A persistent store (--store disk:PATH) that later runs read chunks back from.
+                  "path": getattr(config, "store_path", None)},
         "data": {
             "path": str(config.data),
             "examples": len(outcomes),
@@ -129,9 +131,17 @@ def _spread(values: Sequence[int]) -> dict[str, float | None]:
 
 
 def write_json(document: dict[str, Any], path: str | Path) -> Path:
+    """Write ``document`` whole or not at all: a run killed mid-write leaves the previous version,
+    which ``--resume`` can read."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
 
 
@@ -218,7 +228,18 @@ def describe_run(document: dict[str, Any]) -> str:
         + f"; {model['name']} ({model['dtype']}), store {document['store']['kind']}"
         + f"; {mach['cpu']}, {mach['usable_cores']} cores, torch {mach['torch']}, transformers {mach['transformers']}"
         + (f"; commit {document['git']['commit'][:10]}" if document["git"]["commit"] else "")
+        + _untimed_note(document)
     )
+
+
+def _untimed_note(document: dict[str, Any]) -> str:
+    """Said in the caption: a speedup column of dashes is not a failure to compute one."""
+    full = next((m for m in document["methods"] if m["kind"] == "full_prefill"), None)
+    if full is None or full.get("ttft_measured", full["examples"]) >= full["examples"]:
+        return ""
+    return (f". Full prefill's TTFT was measured on {full['ttft_measured']} of {full['examples']} questions (the "
+            "others' references came from the reference cache): speedups are over those questions only, "
+            "'–' if none; --time-full-prefill times it")
 
 
 def strategy_grid_table(document: dict[str, Any], reference_family: str = "cacheblend", focus: float = 0.15) -> str:
@@ -246,7 +267,8 @@ def strategy_grid_table(document: dict[str, Any], reference_family: str = "cache
     for name, family in families.items():
         m = at(family, focus)
         ttft = None if m is None else m["ttft_s"]["median"]
-        relative = None if ttft is None or reference is None else ttft / reference["ttft_s"]["median"]
+        reference_ttft = None if reference is None else reference["ttft_s"]["median"]
+        relative = None if ttft is None or not reference_ttft else ttft / reference_ttft
         lines.append("| " + " | ".join([
             name,
             joined(family, lambda q: "–" if q["recovery"] is None else f"{100 * q['recovery']:.0f}%"),
@@ -256,5 +278,42 @@ def strategy_grid_table(document: dict[str, Any], reference_family: str = "cache
             _fmt(None if m is None else m["quality"]["top1"], ".3f"),
             _fmt(ttft, ".3f"),
             _fmt(relative, ".2f"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def diagnostics_table(document: dict[str, Any]) -> str:
+    """One row per method with diagnostics (means over questions): KL at the first and the last
+    teacher-forced position, the stale tokens' K/V distance to full prefill at the last layer, and
+    the question's attention on stale entries averaged over layers. ``""`` without diagnostics."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for example in document["examples"]:
+        for name, outcome in example["methods"].items():
+            if outcome.get("diagnostics"):
+                rows.setdefault(name, []).append(outcome["diagnostics"])
+    if not rows:
+        return ""
+
+    def mean(values: list[float | None]) -> float | None:
+        kept = [v for v in values if v is not None]
+        return sum(kept) / len(kept) if kept else None
+
+    header = ["method", "questions", "KL first position", "KL last position", "stale tokens",
+              "stale K dist, last layer", "stale V dist, last layer", "attention on stale (mean over layers)",
+              "attention on recomputed"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    order = [m["name"] for m in document["methods"] if m["name"] in rows]
+    for name in order:
+        found = rows[name]
+        kv = [d for d in found if "kv_distance" in d]
+        lines.append("| " + " | ".join([
+            name, str(len(found)),
+            _fmt(mean([d["kl_by_position"][0] for d in found if d["kl_by_position"]]), ".4f"),
+            _fmt(mean([d["kl_by_position"][-1] for d in found if d["kl_by_position"]]), ".4f"),
+            _fmt(mean([d["tokens"]["stale"] for d in kv]), ".0f"),
+            _fmt(mean([d["kv_distance"]["stale"]["k"][-1] for d in kv]), ".3f"),
+            _fmt(mean([d["kv_distance"]["stale"]["v"][-1] for d in kv]), ".3f"),
+            _fmt(mean([mean(d["attention_share"]["stale"]) for d in kv]), ".3f"),
+            _fmt(mean([mean(d["attention_share"]["recomputed"]) for d in kv]), ".3f"),
         ]) + " |")
     return "\n".join(lines)

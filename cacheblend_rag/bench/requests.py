@@ -62,7 +62,10 @@ class BlendRequest(Request):
 
     def prefill(self) -> PrefillOutput:
         result = self.engine.blend(self.segments, config=self.config, store=self.store)
-        return PrefillOutput(result.logits, result.cache, len(result.input_ids), result.stats.to_dict())
+        stats = result.stats.to_dict()
+        # Not part of the stats a run reports (one entry per recomputed token), but the diagnostics need them.
+        stats["selected_positions"] = list(result.stats.selected_positions)
+        return PrefillOutput(result.logits, result.cache, len(result.input_ids), stats)
 
 
 class PrefixCachingRequest(Request):
@@ -151,6 +154,8 @@ class RequestRun:
     stopped_by: int | None  # the end-of-sequence token that ended decoding, if any
     stats: dict[str, Any]
     teacher_logits: torch.Tensor | None = None  # [k, vocab] float32 along the teacher tokens
+    # The prompt's K/V per layer (keys after RoPE), each [kv_heads, tokens, head_dim], when asked for.
+    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -186,11 +191,13 @@ def run_request(
     ignore_eos: bool = False,
     teacher_tokens: Sequence[int] | None = None,
     teacher_limit: int = 16,
+    keep_prompt_kv: bool = False,
 ) -> RequestRun:
     """Prefill, greedy-decode up to ``max_new_tokens``, then teacher-force.
 
     ``teacher_tokens=None`` teacher-forces along this run's own answer (what full prefill,
-    the reference, does); pass ``teacher_limit=0`` to skip teacher forcing.
+    the reference, does); pass ``teacher_limit=0`` to skip teacher forcing. ``keep_prompt_kv``
+    keeps the prompt's K/V (the cache rolled back to the prompt) in :attr:`RequestRun.prompt_kv`.
     """
     request.prepare()
     start = time.perf_counter()
@@ -199,7 +206,8 @@ def run_request(
     ttft = time.perf_counter() - start
 
     # The cache is rolled back to the prompt after decoding; one that cannot be cropped is copied now.
-    snapshot = None if teacher_limit <= 0 or out.cache.is_croppable else copy.deepcopy(out.cache)
+    snapshot = None if (teacher_limit <= 0 and not keep_prompt_kv) or out.cache.is_croppable \
+        else copy.deepcopy(out.cache)
     decode_start = time.perf_counter()
     cache, position = out.cache, out.prompt_length
     tokens: list[int] = []
@@ -221,14 +229,18 @@ def run_request(
         text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
         stopped_by=stopped_by, stats=out.stats,
     )
-    if teacher_limit > 0:
-        forced = run.answer_tokens(teacher_limit) if teacher_tokens is None else list(teacher_tokens)
+    if teacher_limit > 0 or keep_prompt_kv:
         if snapshot is not None:
             cache = snapshot
         else:
             extra = cache.get_seq_length() - out.prompt_length
             if extra > 0:
                 cache.crop(-extra)
+        if keep_prompt_kv:
+            # Cloned: teacher forcing appends to this cache, and a cropped layer may be a view of it.
+            run.prompt_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+    if teacher_limit > 0:
+        forced = run.answer_tokens(teacher_limit) if teacher_tokens is None else list(teacher_tokens)
         run.teacher_logits = teacher_forced_logits(engine, out.logits, cache, out.prompt_length, forced)
     return run
 

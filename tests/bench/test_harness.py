@@ -14,14 +14,15 @@ from cacheblend_rag.errors import ConfigError
 FAST = dict(max_new_tokens=4, teacher_tokens=4, throughput_new_tokens=4, throughput_requests=1, show_progress=False)
 
 METHOD_KEYS = {
-    "name", "family", "kind", "selection", "ratio", "prefix_conditioned", "storage", "examples", "ttft_s", "ttft_speedup",
+    "name", "family", "kind", "selection", "ratio", "prefix_conditioned", "storage", "examples", "ttft_s", "ttft_measured",
+    "ttft_speedup",
     "cold_ttft_s", "decode_tokens_per_s", "throughput_rps", "throughput_requests", "precompute",
     "recompute_fraction", "quality", "added_as_reference",
 }
 QUALITY_KEYS = {"f1", "gold_em", "f1_delta", "f1_delta_ci95", "kl", "kl_median", "top1", "recovery", "exact_match",
                 "worse_than_full_reuse"}
 EXAMPLE_METHOD_KEYS = {"answer", "f1", "gold_exact_match", "exact_match", "kl", "top1", "ttft_s", "decode_tokens_per_s", "cold_ttft_s",
-                       "throughput_request_s", "stats"}
+                       "throughput_request_s", "stats", "diagnostics"}
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +168,13 @@ def test_answer_tables_script_compares_runs_on_common_questions(document, tmp_pa
     assert out.stdout.count("| method | F1 | EM | ΔF1 vs full prefill [95% CI]") == 2
 
 
-def test_partial_documents_after_every_question(engine, musique_file):
+def test_partial_documents_after_every_method(engine, musique_file):
     seen = []
     config = BenchConfig(data=str(musique_file), passages=2, ratios="0.5", methods="full_reuse", cold_examples=0, **FAST)
     final = run_benchmark(config, engine=engine, on_partial=seen.append)
-    assert [(d["partial"], d["data"]["examples"]) for d in seen] == [(True, 1), (False, 2)]
+    # full_prefill, then full_reuse, on each question in turn
+    assert [(d["partial"], d["data"]["examples"]) for d in seen] == [(True, 1), (True, 1), (True, 2), (False, 2)]
+    assert [m["examples"] for m in seen[0]["methods"]] == [1, 0]  # a question in progress is summarised as it is
     assert final["partial"] is False and final["methods"][0]["examples"] == 2
 
 
