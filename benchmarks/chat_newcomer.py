@@ -33,7 +33,7 @@ from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBl
 from llama_index.vector_stores.faiss import FaissVectorStore
 from tqdm.auto import tqdm
 
-from cacheblend_rag.bench.conversation import turn_record
+from cacheblend_rag.bench.conversation import partial_block_allowance, turn_record
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 
@@ -119,7 +119,7 @@ def run_conversation(chat_engine: CondensePlusContextChatEngine, llm: CacheBlend
         response = chat_engine.chat(question)
         stats = dict(llm.last_stats or {})
         row = turn_record(stats, tokenizer, question, turn=turn, prompt=llm.last_prompt or "",
-                          chunks=llm.service.announced.latest())
+                          chunks=llm.service.announced.latest(), partial_block=partial_block_allowance(llm.service))
         row.update(chunks_found=stats.get("chunks_found"), ttft_s=stats.get("ttft_s"), question=question,
                    answer=str(response).strip())
         rows.append(row)
@@ -127,13 +127,20 @@ def run_conversation(chat_engine: CondensePlusContextChatEngine, llm: CacheBlend
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's target as written, and with the prefix cache's partial block allowed."""
     later = [r for r in rows if r["turn"] > 1]
     return {
         "fresh_at_most_new_message_plus_glue": {
             "description": "turn 2 onward: fresh tokens <= the new message plus the template's glue",
             "per_turn": {r["turn"]: {"fresh": r["fresh_tokens"], "bound": r["fresh_bound"]} for r in later},
             "met": bool(later) and all(r["meets_bound"] for r in later),
-        }
+        },
+        "with_partial_block": {
+            "description": "the same, plus the previous turn's last partial block of the prefix cache "
+                           "(block_size - 1 tokens), which a block-keyed prefix cache computes again",
+            "allowance": later[0]["partial_block_allowance"] if later else 0,
+            "met": bool(later) and all(r["meets_bound_with_partial_block"] for r in later),
+        },
     }
 
 

@@ -49,17 +49,29 @@ def chunk_separator_tokens(tokenizer: Any, prompt: str, chunks: Iterable[str]) -
     return sum(_count(tokenizer, pieces[i].text) for i in between if not pieces[i].is_chunk)
 
 
-def fresh_bound(tokenizer: Any, new_message: str, *, prompt: str = "", chunks: Iterable[str] = ()) -> int:
+def fresh_bound(tokenizer: Any, new_message: str, *, prompt: str = "", chunks: Iterable[str] = (),
+                partial_block: int = 0) -> int:
     """The most fresh tokens a turn after the first should have: the new message, the template's
-    glue around it and, in a RAG prompt, the separators between its chunks."""
+    glue around it and, in a RAG prompt, the separators between its chunks. ``partial_block``
+    allows that many more: a prefix cache kept in blocks holds no partial block, so up to
+    ``block_size - 1`` tokens of the previous turn's end are computed again (vLLM's too);
+    0 is the issue's bound as written."""
     return (_count(tokenizer, new_message) + turn_glue_tokens(tokenizer)
-            + chunk_separator_tokens(tokenizer, prompt, chunks))
+            + chunk_separator_tokens(tokenizer, prompt, chunks) + partial_block)
+
+
+def partial_block_allowance(service: Any) -> int:
+    """``block_size - 1`` of ``service``'s prefix cache (a :class:`~cacheblend_rag.serving.BlendService`),
+    0 without one: what :func:`fresh_bound`'s ``partial_block`` allows for it."""
+    cache = getattr(service, "prefix_cache", None)
+    return cache.block_size - 1 if cache is not None and cache.enabled else 0
 
 
 def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, turn: int,
-                prompt: str = "", chunks: Iterable[str] = ()) -> dict[str, Any]:
-    """One row of a per-turn table: the response's token counts, the new message's, the bound and
-    whether the turn meets it (turn 1 has no earlier turn to reuse, so no bound)."""
+                prompt: str = "", chunks: Iterable[str] = (), partial_block: int = 0) -> dict[str, Any]:
+    """One row of a per-turn table: the response's token counts, the new message's, the bound as the
+    issue writes it and with ``partial_block`` more, and whether the turn meets each (turn 1 has no
+    earlier turn to reuse, so no bound)."""
     chunks = list(chunks)
     row: dict[str, Any] = {"turn": turn, "prompt_tokens": stats.get("prompt_tokens", stats.get("total_tokens"))}
     row.update({name: int(stats.get(name) or 0) for name in TOKEN_STATS})
@@ -68,7 +80,10 @@ def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, t
     if turn > 1:
         row["fresh_bound"] = fresh_bound(tokenizer, new_message, prompt=prompt, chunks=chunks)
         row["meets_bound"] = row["fresh_tokens"] <= row["fresh_bound"]
+        row["partial_block_allowance"] = partial_block
+        row["meets_bound_with_partial_block"] = row["fresh_tokens"] <= row["fresh_bound"] + partial_block
     return row
 
 
-__all__ = ["TOKEN_STATS", "chunk_separator_tokens", "fresh_bound", "turn_glue_tokens", "turn_record"]
+__all__ = ["TOKEN_STATS", "chunk_separator_tokens", "fresh_bound", "partial_block_allowance", "turn_glue_tokens",
+           "turn_record"]

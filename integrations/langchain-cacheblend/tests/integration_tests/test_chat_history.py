@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
-from cacheblend_rag.bench.conversation import TOKEN_STATS, fresh_bound
+from cacheblend_rag.bench.conversation import TOKEN_STATS, fresh_bound, partial_block_allowance
 from cacheblend_rag.testing import tiny_engine
 from langchain_cacheblend import CacheBlendRetriever, ChatCacheBlend
 from langchain_cacheblend._messages import render_prompt
@@ -61,9 +61,11 @@ def llm(engine):
 
 
 def turn_bound(llm: ChatCacheBlend, message: str, prompt: str = "") -> int:
-    """The bound on a later turn's fresh tokens, taken right after the turn (the chunks it announced)."""
+    """The bound on a later turn's fresh tokens, taken right after the turn (the chunks it announced). The
+    prefix cache keeps whole blocks: the previous turn's last partial one is computed again."""
     chunks = llm.service.announced.latest() if prompt else ()
-    return fresh_bound(llm.get_engine().tokenizer, message, prompt=prompt, chunks=chunks)
+    return fresh_bound(llm.get_engine().tokenizer, message, prompt=prompt, chunks=chunks,
+                       partial_block=partial_block_allowance(llm.service))
 
 
 def check_turns(stats: list[dict[str, Any]], bounds: list[int]) -> None:
