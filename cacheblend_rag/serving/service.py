@@ -3,7 +3,10 @@
 Frameworks hand a model one rendered prompt string. The retrieval side has told the service
 which chunk texts prompts will contain (:meth:`BlendService.announce`); the service finds
 them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
-cache, everything else fresh), blends and decodes. All of that runs on the engine's
+cache, everything else fresh), takes the longest opening of the prompt whose K/V an earlier
+request left in the prefix cache (:mod:`~cacheblend_rag.engine.prefix_cache`) as an exact
+prefix, blends and decodes, and leaves the exact part of this request's K/V (prompt and answer,
+when all of it is exact) in the prefix cache for the next. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
 """
@@ -19,7 +22,8 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
 from cacheblend_rag.engine.decode import Decoding
 from cacheblend_rag.engine.generate import start_decoding
-from cacheblend_rag.engine.segments import Segment
+from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.engine.segments import PrefixSegment, Segment
 from cacheblend_rag.prompting import split_prompt, to_segments_in_context
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
 from cacheblend_rag.serving.registry import scheduler_for
@@ -38,6 +42,7 @@ class PreparedPrompt:
     chunks_found: int
     chunks_missing: int  # texts of the latest announcement the prompt lacks verbatim
     reason: str | None  # why no chunk KV is reused, when none is
+    prefix_tokens: int = 0  # tokens the prefix cache held (the first segment, then a PrefixSegment)
 
 
 @dataclass
@@ -48,14 +53,22 @@ class Served:
     prompt: PreparedPrompt
     model: str
     recompute_ratio: float
+    prefix_cache: PrefixCache | None = None
 
     def stats(self) -> dict[str, Any]:
-        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``)."""
+        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``):
+        the blend's, what was found of the chunks, and the prefix cache's state (``prefix_cache_*``)."""
         stats = self.result.stats_dict()
         stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
                      recompute_ratio=self.recompute_ratio, model=self.model)
-        if stats.get("fallback_reason") is None and stats["mode"] == "full_prefill":
-            stats["fallback_reason"] = self.prompt.reason
+        if self.prefix_cache is not None:
+            held = self.prefix_cache.stats()
+            stats.update(prefix_cache_blocks=held.blocks, prefix_cache_bytes=held.bytes,
+                         prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
+                         prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
+                         prefix_cache_evictions=held.evictions)
+        if stats.get("fallback_reason") is None and stats["mode"] in ("full_prefill", "prefix_cached"):
+            stats["fallback_reason"] = self.prompt.reason  # why no chunk K/V was reused, if none was found
         return stats
 
 
@@ -78,12 +91,14 @@ def _normalized(text: str) -> str:
 class BlendService:
     """One engine, its chunk cache and the chunk texts announced to one integration object."""
 
-    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks) -> None:
+    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
         self.engine = engine
         self.chunk_cache = chunk_cache
         self.announced = announced
+        self.prefix_cache = prefix_cache if engine.adapter is not None else None
         self.scheduler = scheduler_for(engine)
         self._warned: set[str] = set()
 
@@ -109,14 +124,51 @@ class BlendService:
         split = split_prompt(prompt, self.announced.known())
         segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
         found = set(split.found)
+        reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
+        segments = self._with_cached_prefix(segments)
         return PreparedPrompt(
             segments=segments,
             chunks_found=len(split.found),
             # Chunks of the latest announcement that this prompt lacks verbatim (changed by a template,
             # truncated, or, in refine mode, simply handled by another call).
             chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
-            reason=None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments)),
+            reason=reason,
+            prefix_tokens=len(segments[0].token_ids) if segments and isinstance(segments[0], PrefixSegment) else 0,
         )
+
+    def _with_cached_prefix(self, segments: list[Segment]) -> list[Segment]:
+        """``segments`` opened by the longest prefix of their token ids the prefix cache holds. The ids
+        are the ones the blend sees (the whole prompt's where the tokenizer allows), so block
+        boundaries are token boundaries of this prompt. A chunk the prefix ends inside keeps its tail
+        as fresh tokens: its stored K/V is the whole chunk's, at its own start."""
+        cache = self.prefix_cache
+        if cache is None or not cache.enabled or not segments:
+            return segments
+        hit = cache.match([t for s in segments for t in s.token_ids], self.engine.fingerprint)
+        if hit is None:
+            return segments
+        m, rest, offset = len(hit.token_ids), [], 0
+        for s in segments:
+            end = offset + len(s.token_ids)
+            if offset >= m:
+                rest.append(s)
+            elif end > m:
+                rest.append(FreshSegment(s.token_ids[m - offset:]))
+            offset = end
+        return [hit, *rest]
+
+    def _keep_prefix(self, decoding: Decoding) -> None:
+        """After a request: its exact K/V into the prefix cache, the answer's too when the whole prompt was
+        exact (so the next turn of a chat, which opens with this prompt and answer, finds them)."""
+        try:
+            ids, keys, values = decoding.held_kv()
+            exact = decoding.stats.exact_kv_tokens
+            if exact < decoding.prompt_tokens:
+                ids = ids[:exact]  # the answer attended to blended K/V: not what full prefill computes
+            if ids:
+                self.prefix_cache.insert(ids, keys, values, self.engine.fingerprint)  # type: ignore[union-attr]
+        except Exception:  # keeping a prefix is an optimisation: it never fails the request
+            logger.exception("could not keep this request's prefix K/V")
 
     def _no_reuse(self, prompt: str, tokens: int) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
@@ -158,11 +210,15 @@ class BlendService:
 
         def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
             prepared.append(self.prepare(prompt, reuse=reuse))
-            return start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
-                                  started=submitted)
+            decoding = start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
+                                      started=submitted)
+            if reuse and self.prefix_cache is not None and self.prefix_cache.enabled:
+                decoding.on_finish = self._keep_prefix
+            return decoding
 
         def finish(result: GenerationResult) -> Served:
-            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio)
+            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio,
+                          self.prefix_cache if reuse else None)
 
         return self.scheduler.submit(start, finish)
 
