@@ -59,7 +59,9 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving import shared_engine
+from cacheblend_rag.store import ChunkCache, MemoryKVStore
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 TARGET_TURN = 4
@@ -108,15 +110,38 @@ METHODS = (
 )
 
 
-def prefix_settings(on: bool) -> dict[str, Any]:
-    """The ``CacheBlendLLM`` fields that switch prefix reuse on or off."""
-    return {"prefix_cache": on} if "prefix_cache" in CacheBlendLLM.model_fields else {}
+class MethodLLMs:
+    """One ``CacheBlendLLM`` per method on the shared engine, made anew per conversation.
+
+    A prefix cache is shared by every object on one engine and store, so the two methods that use
+    one must not share a store: ``prefix+blending`` uses the chunk store the blending methods read,
+    ``prefix_caching`` a store of its own that holds no chunk (it blends none: nothing is announced
+    to it), so neither reuses a prompt the other left. Both keep their prefix cache from one
+    conversation to the next, as a server does (the system prompt stays cached); ``blending`` and
+    ``full_prefill`` have none."""
+
+    def __init__(self, engine: CacheBlendEngine, args: argparse.Namespace) -> None:
+        self.engine = engine
+        self.args = args
+        self.own_store = ChunkCache(engine, MemoryKVStore(), prefix_ids=default_conditioning_prefix(engine.tokenizer))
+
+    def new(self) -> dict[str, CacheBlendLLM]:
+        return {m.name: self.llm(m) for m in METHODS}
+
+    def llm(self, method: ChatMethod) -> CacheBlendLLM:
+        args = self.args
+        options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, recompute_ratio=args.ratio,
+                                       prefix_cache_bytes=args.prefix_cache_bytes if method.prefix_reuse else 0)
+        if method.prefix_reuse and not method.blend_chunks:
+            options["chunk_cache"] = self.own_store
+        # Prefix caching alone still goes through the chunk-finding path (with nothing announced, it finds
+        # no chunk): reuse_chunk_kv=False is plain full prefill, which keeps no prefix either.
+        return CacheBlendLLM.from_engine(self.engine, reuse_chunk_kv=method.prefix_reuse or method.blend_chunks,
+                                         **options)
 
 
-def method_llm(engine: CacheBlendEngine, method: ChatMethod, args: argparse.Namespace) -> CacheBlendLLM:
-    """One integration object per method (its own services and caches of prompts), on the shared engine."""
-    return CacheBlendLLM.from_engine(engine, reuse_chunk_kv=method.blend_chunks, max_new_tokens=args.max_new_tokens,
-                                     temperature=0.0, recompute_ratio=args.ratio, **prefix_settings(method.prefix_reuse))
+def announces(method_name: str) -> bool:
+    return next(m for m in METHODS if m.name == method_name).blend_chunks
 
 
 # --------------------------------------------------------------------------- the conversation
@@ -184,7 +209,8 @@ def run_turn(engine: CacheBlendEngine, llms: dict[str, CacheBlendLLM], histories
                            "reference_answer": answer, "methods": {}}
     for name in names[shift:] + names[:shift]:
         llm = llms[name]
-        llm.announce_chunks(texts)
+        if announces(name):
+            llm.announce_chunks(texts)
         logits, _ = method_logits(llm, prompt, forced)
         response = llm.chat(histories[name])
         stats = response.additional_kwargs
@@ -207,9 +233,10 @@ def warm_up(engine: CacheBlendEngine, llms: dict[str, CacheBlendLLM], examples: 
     """One untimed two-turn conversation per method on a question no timed conversation uses: the
     correctness gate, kernels and allocator warm up outside the timed turns."""
     texts = turn_passages(engine, examples[-1], 2, args.max_passage_tokens)
-    for llm in llms.values():
-        llm.precompute(texts)
-        llm.announce_chunks(texts)
+    for name, llm in llms.items():
+        if announces(name):
+            llm.precompute(texts)
+            llm.announce_chunks(texts)
         messages = [ChatMessage(role="system", content=SYSTEM_PROMPT),
                     ChatMessage(role="user", content=user_message(texts, examples[-1].question))]
         answer = llm.chat(messages, max_new_tokens=2).message.content
@@ -230,17 +257,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not getattr(engine.tokenizer, "chat_template", None):
         raise ConfigError("bench_chat renders the conversation with the model's chat template; this model has none")
     eos = eos_token_ids(engine)
+    methods = MethodLLMs(engine, args)
     conversations = []
     bar = tqdm(total=need, desc="bench_chat", unit="turn", disable=not args.progress)
     for c in range(args.conversations):
         # Fresh integration objects per conversation: no prompt of another conversation is cached.
-        llms = {m.name: method_llm(engine, m, args) for m in METHODS}
+        llms = methods.new()
         if c == 0:
             warm_up(engine, llms, examples, args)
-            llms = {m.name: method_llm(engine, m, args) for m in METHODS}
+            llms = methods.new()
         chosen = examples[c * args.turns:(c + 1) * args.turns]
         texts = [turn_passages(engine, ex, args.passages, args.max_passage_tokens) for ex in chosen]
-        next(iter(llms.values())).precompute([t for turn in texts for t in turn])  # the shared chunk store
+        llms["blending"].precompute([t for turn in texts for t in turn])  # the chunk store both blending methods read
         histories = {name: [ChatMessage(role="system", content=SYSTEM_PROMPT)] for name in llms}
         turns = []
         for t, (example, turn_texts) in enumerate(zip(chosen, texts), start=1):
@@ -256,7 +284,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "progress")},
         "system_prompt_tokens": len(engine.tokenize(SYSTEM_PROMPT)),
         "history": "identical: every method's history holds full prefill's greedy answer",
-        "prefix_cache_switch": bool(prefix_settings(True)),
         "machine": machine_info(engine.device),
         "git": git,
         "elapsed_s": time.time() - started,
@@ -373,6 +400,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--teacher-tokens", type=int, default=16)
     parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of the blending methods")
+    # A 6-turn conversation reaches about 7,000 tokens, past the package's default bound (256MB, about
+    # 5,700 SmolLM2 tokens in float32): the bench's bound holds a whole conversation and the system prompt.
+    parser.add_argument("--prefix-cache-bytes", default="1GB", help="bound of each prefix method's prefix cache")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--plot", help="write a PNG of TTFT and KL per turn")
     parser.add_argument("--no-progress", dest="progress", action="store_false")

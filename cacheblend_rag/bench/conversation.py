@@ -9,7 +9,7 @@ puts between chunks are glue too. Tests, ``benchmarks/chat_newcomer.py`` and
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from cacheblend_rag.prompting import split_prompt
 
@@ -60,6 +60,14 @@ def fresh_bound(tokenizer: Any, new_message: str, *, prompt: str = "", chunks: I
             + chunk_separator_tokens(tokenizer, prompt, chunks) + partial_block)
 
 
+def answer_allowance(tokenizer: Any, generated_ids: Sequence[int], history_text: str) -> int:
+    """The previous answer's tokens when the history holds it as other tokens than the model generated
+    (LlamaIndex strips a streamed answer before it keeps it; a random test model's broken UTF-8 does
+    not tokenize back): the cache holds the generated ones, so the history's are new text. 0 otherwise."""
+    history_ids = tokenizer(history_text, add_special_tokens=False)["input_ids"] if history_text else []
+    return 0 if list(history_ids) == list(generated_ids) else len(history_ids)
+
+
 def partial_block_allowance(service: Any) -> int:
     """``block_size - 1`` of ``service``'s prefix cache (a :class:`~cacheblend_rag.serving.BlendService`),
     0 without one: what :func:`fresh_bound`'s ``partial_block`` allows for it."""
@@ -85,5 +93,5 @@ def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, t
     return row
 
 
-__all__ = ["TOKEN_STATS", "chunk_separator_tokens", "fresh_bound", "partial_block_allowance", "turn_glue_tokens",
+__all__ = ["TOKEN_STATS", "answer_allowance", "chunk_separator_tokens", "fresh_bound", "partial_block_allowance", "turn_glue_tokens",
            "turn_record"]

@@ -15,11 +15,14 @@ import pytest
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.chat_engine import CondensePlusContextChatEngine, ContextChatEngine, SimpleChatEngine
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.postprocessor.cacheblend import CacheBlendNodePostprocessor
 from llama_index.vector_stores.faiss import FaissVectorStore
 
-from cacheblend_rag.bench.conversation import fresh_bound, partial_block_allowance
+from cacheblend_rag.bench.conversation import answer_allowance, fresh_bound, partial_block_allowance
 from cacheblend_rag.testing import tiny_engine
 
 EMBED_DIM = 64
@@ -57,6 +60,29 @@ class HashEmbedding(BaseEmbedding):
 
     async def _aget_query_embedding(self, query: str) -> List[float]:
         return self._vector(query)
+
+
+class AnswerTokens(BaseEventHandler):
+    """The token ids of every chat answer, through LlamaIndex's instrumentation."""
+
+    answers: List[List[int]] = []
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "AnswerTokens"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, LLMChatEndEvent) and event.response is not None and event.response.raw:
+            self.answers.append(list(event.response.raw.get("token_ids", [])))
+
+
+@pytest.fixture
+def answer_tokens():
+    handler = AnswerTokens(answers=[])
+    dispatcher = get_dispatcher()
+    dispatcher.add_event_handler(handler)
+    yield handler
+    dispatcher.event_handlers.remove(handler)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +132,11 @@ def say_achat(chat_engine: Any, message: str) -> None:
 @pytest.mark.parametrize("build", [simple, context, condense_plus_context],
                          ids=["SimpleChatEngine", "ContextChatEngine", "CondensePlusContextChatEngine"])
 @pytest.mark.parametrize("say", [say_chat, say_stream_chat, say_achat], ids=["chat", "stream_chat", "achat"])
-def test_later_turns_compute_only_the_new_message_fresh(llm, build: Callable[[CacheBlendLLM], Any], say):
+def test_later_turns_compute_only_the_new_message_fresh(llm, build: Callable[[CacheBlendLLM], Any], say,
+                                                        answer_tokens):
     chat_engine = build(llm)
     tokenizer = llm.engine.tokenizer
+    previous = 0  # the previous answer's tokens, if the history holds them changed
     for turn, message in enumerate(TURNS, start=1):
         say(chat_engine, message)
         stats = llm.last_stats  # the call that answered the turn (a condense call comes before it)
@@ -118,5 +146,6 @@ def test_later_turns_compute_only_the_new_message_fresh(llm, build: Callable[[Ca
         if turn > 1:
             # The prefix cache keeps whole blocks: the previous turn's last partial one is computed again.
             bound = fresh_bound(tokenizer, message, prompt=llm.last_prompt, chunks=llm.service.announced.latest(),
-                                partial_block=partial_block_allowance(llm.service))
+                                partial_block=partial_block_allowance(llm.service)) + previous
             assert stats["fresh_tokens"] <= bound, (turn, stats["fresh_tokens"], bound, stats)
+        previous = answer_allowance(tokenizer, answer_tokens.answers[-1], chat_engine.chat_history[-1].content)
