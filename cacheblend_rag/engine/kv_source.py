@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, Segment, StoredSegment
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment, StoredSegment
 
 if TYPE_CHECKING:
     from cacheblend_rag.engine.results import KVSourceProvider
@@ -144,7 +144,7 @@ def open_cached_source(
     parts = [(memory, [len(s.token_ids) for s in cached]), (from_store, [len(s.token_ids) for s in stored])]
     order, counters = [], [0, 0]
     for s in segs:
-        if isinstance(s, FreshSegment):
+        if isinstance(s, (FreshSegment, PrefixSegment)):  # not chunks of either source
             continue
         part = 0 if isinstance(s, CachedSegment) else 1
         order.append((part, counters[part]))

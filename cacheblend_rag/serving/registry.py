@@ -23,6 +23,7 @@ from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.serving.scheduler import RequestScheduler
+from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, KVStore, MemoryKVStore, open_store
 from cacheblend_rag.store.prefix_blocks import StorePrefixBlocks
 
@@ -44,6 +45,7 @@ class EngineSlot:
     chunk_caches: dict[ChunkCacheKey, ChunkCache] = field(default_factory=dict)
     # One prefix cache per store the engine's chunk caches use (and whether it writes blocks through).
     prefix_caches: dict[tuple[int, bool], tuple[KVStore, PrefixCache]] = field(default_factory=dict)
+    segment_cache: SegmentCache | None = None
 
 
 _registry_lock = threading.Lock()
@@ -158,4 +160,21 @@ def prefix_cache_for(engine: CacheBlendEngine, chunk_cache: ChunkCache, max_byte
         cache = held[1]
         if max_bytes > cache.max_bytes:
             cache.resize(max_bytes)
+        return cache
+
+
+def segment_cache_for(engine: CacheBlendEngine, max_bytes: int) -> SegmentCache | None:
+    """The segment cache of ``engine`` (recent spans after the chunks, :mod:`~cacheblend_rag.serving.segment_cache`),
+    holding at most ``max_bytes``; ``None`` for 0 or an engine without a layer-wise adapter. One per engine,
+    grown to the largest bound asked for."""
+    if max_bytes <= 0 or engine.adapter is None:
+        return None
+    slot = slot_for(engine)
+    fingerprint = engine.fingerprint
+    with slot.lock:
+        cache = slot.segment_cache
+        if cache is None or cache.fingerprint != fingerprint:  # new weights: the old spans are another model's
+            cache = slot.segment_cache = SegmentCache(max_bytes, fingerprint=fingerprint)
+        elif max_bytes > cache.max_bytes:
+            cache.max_bytes = max_bytes
         return cache

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
@@ -26,7 +26,7 @@ from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving.chunks import AnnouncedChunks
-from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, shared_engine
+from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, segment_cache_for, shared_engine
 from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
@@ -36,6 +36,10 @@ _DEFAULTS = BlendConfig()
 # 256 MiB holds about 5,700 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): the leads and
 # recent conversations of a small server. Larger models want more.
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+# Off by default: a repeated span's K/V comes from whichever request computed it last, so an answer
+# depends on the requests before it (serial and concurrent runs of the same prompts differ), and
+# docs/design.md ("The segment cache") has what it buys.
+DEFAULT_SEGMENT_CACHE_BYTES = 0
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 
@@ -115,6 +119,13 @@ class CacheBlendSettings(BaseModel):
         description="Bound on the prefix cache, in bytes or with a unit ('256MB'): the K/V of prompt openings "
         "earlier requests computed exactly (template lead, system prompt, a chat's previous prompt and answer), "
         "reused as is; 0 disables it. Shared by every object on one engine and store (the largest bound wins).",
+    )
+    segment_cache_bytes: Union[int, str] = Field(
+        default=DEFAULT_SEGMENT_CACHE_BYTES,
+        description="Bound on the segment cache, in bytes or with a unit: the K/V of recent prompt spans after the "
+        "chunks (an app's system prompt after the context, earlier turns of a chat), blended like a chunk when a "
+        "later prompt repeats them, e.g. '64MB'. 0 (the default) disables it: answers then never depend on the "
+        "requests before them.",
     )
     prefix_cache_in_store: bool = Field(
         default=False,
@@ -218,12 +229,11 @@ class CacheBlendSettings(BaseModel):
         codec_named(value)  # ConfigError names the choices
         return value
 
-    @field_validator("prefix_cache_bytes")
+    @field_validator("prefix_cache_bytes", "segment_cache_bytes")
     @classmethod
-    def _prefix_cache_size_is_understood(cls, value: Union[int, str]) -> Union[int, str]:
+    def _cache_size_is_understood(cls, value: Union[int, str], info: ValidationInfo) -> Union[int, str]:
         if isinstance(value, bool) or parse_size(value) < 0:
-            raise ValueError(f"prefix_cache_bytes={value!r} must be a size >= 0, e.g. 256MB, or 0 to disable the "
-                             "prefix cache")
+            raise ValueError(f"{info.field_name}={value!r} must be a size >= 0, e.g. 256MB, or 0 to disable it")
         return value
 
     @field_validator("store_size_limit")
@@ -266,7 +276,9 @@ class CacheBlendSettings(BaseModel):
                                                auth_key=key)
         prefix_cache = prefix_cache_for(engine, self.chunk_cache, parse_size(self.prefix_cache_bytes),
                                         in_store=self.prefix_cache_in_store)
-        return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks), prefix_cache)
+        segment_cache = segment_cache_for(engine, parse_size(self.segment_cache_bytes))
+        return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks), prefix_cache,
+                            segment_cache)
 
     # ------------------------------------------------------------------ configs
     @property

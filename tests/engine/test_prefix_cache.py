@@ -232,3 +232,73 @@ def test_a_prefix_segment_must_open_the_prompt_and_fit_the_model():
         engine.blend([PrefixSegment(lead[:16], kv[:, :, :, :8]), FreshSegment(question)])
     with pytest.raises(ChunkMismatchError, match="another model"):
         engine.blend([PrefixSegment(lead[:16], kv, "0" * 64), FreshSegment(question)])
+
+
+def test_a_prefix_before_chunks_in_memory_and_in_a_store_keeps_every_chunk_in_its_place():
+    from cacheblend_rag import StoredSegment
+    from cacheblend_rag.store import ChunkCache
+
+    engine = tiny_engine("qwen2")
+    lead, chunk_ids, question, full_ids = prompt(engine)
+    store = ChunkCache(engine)
+    store.warm([chunk_ids[1]], lossless=True)
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(lead, *rotated(engine, engine.prefill_chunk(lead)), engine.fingerprint)
+    hit = cache.match(full_ids, engine.fingerprint)
+    m = len(hit.token_ids)
+    segments = [hit, FreshSegment(lead[m:]), CachedSegment(engine.prefill_chunk(chunk_ids[0])),
+                StoredSegment(chunk_ids[1]), CachedSegment(engine.prefill_chunk(chunk_ids[2])), FreshSegment(question)]
+    out = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0), store=store)
+    assert out.stats.cache_hits == 3 and out.stats.exact_tokens == m
+    torch.testing.assert_close(out.logits, engine.full_prefill(full_ids).logits, atol=1e-5, rtol=1e-5)
+    reused = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0), store=store)
+    in_memory = [hit, FreshSegment(lead[m:]), *(CachedSegment(engine.prefill_chunk(c)) for c in chunk_ids),
+                 FreshSegment(question)]
+    torch.testing.assert_close(reused.logits, engine.blend(in_memory, config=BlendConfig(recompute_ratio=0.0)).logits,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_smollm2_turn_two_from_the_prefix_cache_is_full_prefill(smollm2_engine):
+    """SmolLM2: a chat's second turn opens with the first turn's prompt and answer, kept from the
+    decoding cache; at ratio 1.0 (and at 0.15, nothing being left to blend) the answer is full prefill's,
+    and a hit blends bit for bit as the same K/V passed as an exact chunk."""
+    from cacheblend_rag import ChunkKV
+    from cacheblend_rag.config import GenerationConfig
+    from cacheblend_rag.serving import AnnouncedChunks, BlendService
+    from cacheblend_rag.store import ChunkCache
+
+    engine = smollm2_engine
+    cache = PrefixCache(1 << 28)
+    service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), cache)
+    greedy = GenerationConfig(max_new_tokens=24, temperature=0.0)
+    turn1 = [{"role": "system", "content": LEAD * 3}, {"role": "user", "content": "What is the capital of France?"}]
+    render = lambda m: engine.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    first = service.generate(render(turn1), greedy, BlendConfig(recompute_ratio=1.0))
+    turn2 = render(turn1 + [{"role": "assistant", "content": first.result.text},
+                            {"role": "user", "content": "And what river flows through it?"}])
+    prepared = service.prepare(turn2)
+    hit = prepared.segments[0]
+    assert isinstance(hit, PrefixSegment) and len(hit) >= len(engine.tokenize(render(turn1))) // 16 * 16
+    ids = [t for s in prepared.segments for t in s.token_ids]
+    full = engine.full_prefill(ids)
+    for ratio in (1.0, 0.15):
+        out = engine.blend(prepared.segments, config=BlendConfig(recompute_ratio=ratio))
+        assert out.stats.exact_tokens == len(hit) and out.stats.fresh_tokens == len(ids) - len(hit)
+        torch.testing.assert_close(out.logits, full.logits, atol=2e-4, rtol=1e-4)
+    served = service.generate(turn2, greedy, BlendConfig(recompute_ratio=1.0))
+    reference = engine.generate([FreshSegment(ids)], greedy)
+    assert served.result.token_ids == reference.token_ids
+    # The same K/V as an exact chunk blends bit for bit as the prefix segment does. Keys rotated back
+    # and forward again are not the cache's bits, so both sides are built from the rotated-back chunk.
+    a, m, kv = engine.adapter, len(hit), hit.kv
+    cos, sin = a.rope_cos_sin(kv[0, 0][None], torch.arange(m).unsqueeze(0))
+    raw = [a.apply_rope(kv[layer, 0][None], cos, -sin)[0] for layer in range(kv.shape[0])]
+    chunk = ChunkKV(hit.token_ids, raw, [kv[layer, 1] for layer in range(kv.shape[0])])
+    again = PrefixCache(1 << 28)
+    again.insert(hit.token_ids, [a.apply_rope(k[None], cos, sin) for k in raw], [v[None] for v in chunk.values],
+                 engine.fingerprint)
+    rest = [FreshSegment(ids[m:])]
+    x = engine.blend([again.match(ids, engine.fingerprint), *rest], config=BlendConfig(recompute_ratio=1.0))
+    y = engine.blend([CachedSegment(chunk), *rest], config=BlendConfig(recompute_ratio=1.0))
+    assert torch.equal(x.logits, y.logits)

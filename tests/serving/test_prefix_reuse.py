@@ -191,3 +191,57 @@ def test_cache_stats_counts_prefix_blocks_apart_from_chunks(engine, tmp_path, ca
     by_codec = json.loads(capsys.readouterr().out)["by_codec"]
     assert by_codec["prefix blocks, float32"]["entries"] == blocks
     assert sum(share["entries"] for label, share in by_codec.items() if not label.startswith("prefix")) == 1
+
+
+# --------------------------------------------------------------------------- spans after the chunks
+def rag_chat(engine, history, question):
+    """A CondensePlusContext-like prompt: the lead, the context, the app's system prompt, the history."""
+    system = (f"The following is a friendly conversation between a user and an AI assistant.\n{CHUNK}\n\n"
+              f"{SYSTEM} Always answer in one short sentence, and say so when the context does not say.")
+    return chat(engine, [{"role": "system", "content": system}, *history, {"role": "user", "content": question}])
+
+
+def test_the_system_prompt_and_earlier_turns_after_the_chunks_come_back_as_a_cached_segment(engine):
+    from cacheblend_rag.serving.segment_cache import SegmentCache
+
+    spans = SegmentCache(1 << 24, fingerprint=engine.fingerprint)
+    service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), PrefixCache(1 << 24), spans)
+    service.announce([CHUNK])
+    first = service.generate(rag_chat(engine, [], "Who won two Nobel prizes?"), GREEDY, BLEND)
+    assert first.prompt.segment_tokens == 0 and spans.stats().entries == 1
+    history = [{"role": "user", "content": "Who won two Nobel prizes?"},
+               {"role": "assistant", "content": first.result.text}]
+    prompt = rag_chat(engine, history, "Where did she work?")
+    prepared = service.prepare(prompt)
+    kinds = [type(s).__name__ for s in prepared.segments]
+    assert kinds[-3:] == ["StoredSegment", "CachedSegment", "FreshSegment"], kinds
+    span = prepared.segments[-2]
+    assert span.chunk.approximate and len(span.chunk) == prepared.segment_tokens >= 16
+    second = service.generate(prompt, GREEDY, BLEND)
+    stats = second.stats()
+    assert stats["segment_tokens"] == prepared.segment_tokens and stats["segment_cache_hits"] >= 1
+    # Blended like a chunk, never taken for exact K/V: the exact prefix ends before the context.
+    assert stats["exact_tokens"] == second.prompt.prefix_tokens
+    assert stats["cached_tokens"] == stats["exact_tokens"] + len(engine.tokenize(CHUNK)) + stats["segment_tokens"]
+    exact = engine.blend(prepared.segments, config=BlendConfig(recompute_ratio=1.0), store=service.chunk_cache)
+    full = engine.full_prefill([t for s in prepared.segments for t in s.token_ids])
+    torch.testing.assert_close(exact.logits, full.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_cache_keeps_the_longest_span_within_its_bound(engine):
+    from cacheblend_rag.serving.segment_cache import SegmentCache
+
+    def kv(n):
+        return [torch.ones(2, n, 16)] * 4, [torch.ones(2, n, 16)] * 4
+
+    cache = SegmentCache(3 * 4 * 2 * 2 * 40 * 16 * 4 // 2, fingerprint="fp")  # room for 60 tokens
+    assert not cache.remember(list(range(8)), *kv(8), "fp")  # shorter than min_tokens
+    assert not cache.remember(list(range(20)), *kv(20), "other model")
+    assert cache.remember(list(range(20)), *kv(20), "fp")
+    assert cache.remember(list(range(30)), *kv(30), "fp")  # continues the first: replaces it
+    assert cache.stats().entries == 1
+    assert len(cache.match(list(range(25)) + [99], "fp")) == 25
+    assert cache.match(list(range(25)), "fp", max_tokens=10) is None  # below min_tokens
+    assert cache.match(list(range(25)), "other model") is None
+    assert cache.remember(list(range(100, 140)), *kv(40), "fp")  # over the bound with the first: evicts it
+    assert cache.stats().entries == 1 and cache.stats().evictions == 1 and cache.stats().bytes <= cache.max_bytes
