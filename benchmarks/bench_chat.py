@@ -22,7 +22,8 @@ The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engi
 * ``full_prefill``: no reuse of any kind;
 * ``prefix_caching``: the exact prefix cache alone, as vLLM would reuse it (no chunk blending);
 * ``blending``: chunk blending alone, as before the prefix cache (issue 31's "today");
-* ``prefix+blending``: both, the default.
+* ``prefix+blending``: both, with the segment cache on (``--segment-cache-bytes``; the package's
+  default leaves it off): earlier turns after the first chunk are blended like chunks.
 
 Per turn the methods take turns (their order rotates from turn to turn), one timed ``chat`` call each:
 TTFT is the response's ``ttft_s`` (request start to the first token, as users see it). Before it, an
@@ -132,6 +133,9 @@ class MethodLLMs:
         args = self.args
         options: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, recompute_ratio=args.ratio,
                                        prefix_cache_bytes=args.prefix_cache_bytes if method.prefix_reuse else 0)
+        # The segment cache (earlier turns after the first chunk, blended like chunks) is the blending side
+        # of reusing a conversation: prefix caching alone is what vLLM reuses, and has none.
+        options["segment_cache_bytes"] = args.segment_cache_bytes if method.prefix_reuse and method.blend_chunks else 0
         if method.prefix_reuse and not method.blend_chunks:
             options["chunk_cache"] = self.own_store
         # Prefix caching alone still goes through the chunk-finding path (with nothing announced, it finds
@@ -403,6 +407,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # A 6-turn conversation reaches about 7,000 tokens, past the package's default bound (256MB, about
     # 5,700 SmolLM2 tokens in float32): the bench's bound holds a whole conversation and the system prompt.
     parser.add_argument("--prefix-cache-bytes", default="1GB", help="bound of each prefix method's prefix cache")
+    parser.add_argument("--segment-cache-bytes", default="1GB",
+                        help="bound of prefix+blending's segment cache (the package's default is 0, off)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--plot", help="write a PNG of TTFT and KL per turn")
     parser.add_argument("--no-progress", dest="progress", action="store_false")

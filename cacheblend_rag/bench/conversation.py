@@ -60,12 +60,17 @@ def fresh_bound(tokenizer: Any, new_message: str, *, prompt: str = "", chunks: I
             + chunk_separator_tokens(tokenizer, prompt, chunks) + partial_block)
 
 
-def answer_allowance(tokenizer: Any, generated_ids: Sequence[int], history_text: str) -> int:
-    """The previous answer's tokens when the history holds it as other tokens than the model generated
-    (LlamaIndex strips a streamed answer before it keeps it; a random test model's broken UTF-8 does
-    not tokenize back): the cache holds the generated ones, so the history's are new text. 0 otherwise."""
+def answer_allowance(tokenizer: Any, generated_ids: Sequence[int], history_text: str,
+                     finish_reason: str | None = None) -> int:
+    """Tokens of the previous answer that no cache can hold: all of them when the history holds the
+    answer as other tokens than the model generated (LlamaIndex strips a streamed answer before it
+    keeps it; a random test model's broken UTF-8 does not tokenize back), else its last token when
+    the answer ran out of tokens (``finish_reason`` "length": that token was sampled, never fed to
+    the model, so it has no K/V). 0 otherwise."""
     history_ids = tokenizer(history_text, add_special_tokens=False)["input_ids"] if history_text else []
-    return 0 if list(history_ids) == list(generated_ids) else len(history_ids)
+    if list(history_ids) != list(generated_ids):
+        return len(history_ids)
+    return 1 if finish_reason == "length" and history_ids else 0
 
 
 def partial_block_allowance(service: Any) -> int:
@@ -76,10 +81,12 @@ def partial_block_allowance(service: Any) -> int:
 
 
 def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, turn: int,
-                prompt: str = "", chunks: Iterable[str] = (), partial_block: int = 0) -> dict[str, Any]:
+                prompt: str = "", chunks: Iterable[str] = (), partial_block: int = 0,
+                previous_answer: int = 0) -> dict[str, Any]:
     """One row of a per-turn table: the response's token counts, the new message's, the bound as the
-    issue writes it and with ``partial_block`` more, and whether the turn meets each (turn 1 has no
-    earlier turn to reuse, so no bound)."""
+    issue writes it and with the allowances (``partial_block``, ``previous_answer``:
+    :func:`answer_allowance` of the turn before) more, and whether the turn meets each (turn 1 has
+    no earlier turn to reuse, so no bound)."""
     chunks = list(chunks)
     row: dict[str, Any] = {"turn": turn, "prompt_tokens": stats.get("prompt_tokens", stats.get("total_tokens"))}
     row.update({name: int(stats.get(name) or 0) for name in TOKEN_STATS})
@@ -89,7 +96,8 @@ def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, t
         row["fresh_bound"] = fresh_bound(tokenizer, new_message, prompt=prompt, chunks=chunks)
         row["meets_bound"] = row["fresh_tokens"] <= row["fresh_bound"]
         row["partial_block_allowance"] = partial_block
-        row["meets_bound_with_partial_block"] = row["fresh_tokens"] <= row["fresh_bound"] + partial_block
+        row["previous_answer_allowance"] = previous_answer
+        row["meets_bound_with_allowances"] = row["fresh_tokens"] <= row["fresh_bound"] + partial_block + previous_answer
     return row
 
 

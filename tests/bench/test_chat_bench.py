@@ -100,8 +100,9 @@ def test_bench_chat_refuses_a_conversation_past_the_context(musique, monkeypatch
 def newcomer(model: str, embedding: str, tmp_path: Path, capsys, max_new_tokens: int) -> dict:
     chat = script("chat_newcomer")
     plot = tmp_path / "newcomer.png"
+    # The history follows the chunks in this chat engine's prompt: only the segment cache reuses it.
     assert chat.main(["--model", model, "--embedding", embedding, "--max-new-tokens", str(max_new_tokens),
-                      "--no-progress", "--plot", str(plot)]) == 0
+                      "--segment-cache-bytes", "256MB", "--no-progress", "--plot", str(plot)]) == 0
     document = json.loads(capsys.readouterr().out)
     assert plot.stat().st_size > 0
     rows = document["turns"]
@@ -114,7 +115,7 @@ def newcomer(model: str, embedding: str, tmp_path: Path, capsys, max_new_tokens:
 
 def test_newcomer_scenario_on_a_tiny_model(tmp_path, capsys):
     document = newcomer("tiny-llama", "hash", tmp_path, capsys, 6)
-    assert document["targets"]["with_partial_block"]["met"], document["turns"]
+    assert document["targets"]["with_allowances"]["met"], document["turns"]
 
 
 @pytest.mark.slow
@@ -122,4 +123,4 @@ def test_newcomer_scenario_on_smollm2(tmp_path, capsys):
     """The issue's scenario as written: SmolLM2, all-MiniLM-L6-v2, FAISS top 4, a 300-token system prompt."""
     document = newcomer("SmolLM2-135M-Instruct", "minilm", tmp_path, capsys, 24)
     assert 250 <= document["system_prompt_tokens"] <= 350
-    assert document["targets"]["with_partial_block"]["met"], document["turns"]
+    assert document["targets"]["with_allowances"]["met"], document["turns"]
