@@ -53,7 +53,8 @@ from llama_index.llms.cacheblend import CacheBlendLLM
 from tqdm.auto import tqdm
 
 from cacheblend_rag.bench.metrics import answers_match, gold_f1, token_kl, top1_agreement
-from cacheblend_rag.bench.prompt import PASSAGES_HEADER, QUESTION_INSTRUCTION, MusiqueExample, load_musique, passage_text
+from cacheblend_rag.bench.prompt import (PASSAGES_HEADER, QUESTION_INSTRUCTION, MusiqueExample, load_musique,
+                                        passage_text)
 from cacheblend_rag.bench.report import git_info, machine_info
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request, teacher_forced_logits
 from cacheblend_rag.engine import CacheBlendEngine
@@ -149,7 +150,8 @@ def announces(method_name: str) -> bool:
 
 
 # --------------------------------------------------------------------------- the conversation
-def turn_passages(engine: CacheBlendEngine, example: MusiqueExample, passages: int, max_tokens: int | None) -> list[str]:
+def turn_passages(engine: CacheBlendEngine, example: MusiqueExample, passages: int,
+                  max_tokens: int | None) -> list[str]:
     """The question's passages as chunk texts, each cut to ``max_tokens`` tokens (as bench.prompt cuts them)."""
     texts = []
     for title, text in example.passages[:passages]:
@@ -284,7 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_turn = summarize(conversations)
     return {
         "benchmark": "bench_chat",
-        "model": {"name": engine.model_name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")},
+        "model": {"name": engine.model_name, "device": str(engine.device),
+                  "dtype": str(engine.dtype).removeprefix("torch.")},
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "progress")},
         "system_prompt_tokens": len(engine.tokenize(SYSTEM_PROMPT)),
         "history": "identical: every method's history holds full prefill's greedy answer",
@@ -381,9 +384,10 @@ def plot(document: dict[str, Any], path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     cfg = document["config"]
-    fig.suptitle(f"{document['model']['name']}: {cfg['conversations']} conversations, {cfg['passages']} passages of "
-                 f"<= {cfg['max_passage_tokens']} tokens per turn, system prompt {document['system_prompt_tokens']} "
-                 f"tokens, recompute {cfg['ratio']:g}", fontsize=9)
+    plural = "s" if cfg["conversations"] > 1 else ""
+    fig.suptitle(f"{document['model']['name']}: {cfg['conversations']} conversation{plural}, {cfg['passages']} "
+                 f"passages of <= {cfg['max_passage_tokens']} tokens per turn, system prompt "
+                 f"{document['system_prompt_tokens']} tokens, recompute {cfg['ratio']:g}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -101,5 +101,5 @@ def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, t
     return row
 
 
-__all__ = ["TOKEN_STATS", "answer_allowance", "chunk_separator_tokens", "fresh_bound", "partial_block_allowance", "turn_glue_tokens",
-           "turn_record"]
+__all__ = ["TOKEN_STATS", "answer_allowance", "chunk_separator_tokens", "fresh_bound", "partial_block_allowance",
+           "turn_glue_tokens", "turn_record"]

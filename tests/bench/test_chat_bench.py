@@ -46,7 +46,8 @@ def test_turn_glue_is_what_the_template_adds_around_one_more_message():
     tokenizer = tiny_tokenizer()
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     # ChatML: the previous answer's end, the user turn around the message, the assistant's opening.
-    glue = count("<|im_end|>\n") + count("<|im_start|>user\n") + count("<|im_end|>\n") + count("<|im_start|>assistant\n")
+    glue = (count("<|im_end|>\n") + count("<|im_start|>user\n") + count("<|im_end|>\n")
+            + count("<|im_start|>assistant\n"))
     assert turn_glue_tokens(tokenizer) == glue
     assert fresh_bound(tokenizer, "Why") == glue + count("Why")
     assert fresh_bound(tokenizer, "Why", partial_block=15) == glue + count("Why") + 15
@@ -79,8 +80,9 @@ def test_bench_chat_reports_every_method_per_turn_and_the_targets(musique, tmp_p
         assert set(row["speedup"]) >= {"prefix+blending_vs_blending", "prefix+blending_vs_full_prefill"}
     # One history for all methods: the prompts of a turn are the same for every method.
     first = document["conversations"][0]
-    assert all(len({m["reused_tokens"] + m["recomputed_tokens"] + m["fresh_tokens"] for m in r["methods"].values()}) == 1
-               for r in first)
+    for row in first:
+        prompts = {m["reused_tokens"] + m["recomputed_tokens"] + m["fresh_tokens"] for m in row["methods"].values()}
+        assert len(prompts) == 1
     targets = document["targets"]
     assert targets["evaluated"] and targets["turn"] == 4
     assert {"vs_blending", "vs_full_prefill", "kl_no_worse_than_blending"} <= set(targets)

@@ -108,8 +108,9 @@ def test_runnable_with_message_history(llm):
     prompt = ChatPromptTemplate.from_messages(
         [("system", SYSTEM), MessagesPlaceholder("history"), ("human", "{question}")])
     histories: dict[str, InMemoryChatMessageHistory] = {}
-    chain = RunnableWithMessageHistory(prompt | llm, lambda session: histories.setdefault(session, InMemoryChatMessageHistory()),
-                                       input_messages_key="question", history_messages_key="history")
+    chain = RunnableWithMessageHistory(
+        prompt | llm, lambda session: histories.setdefault(session, InMemoryChatMessageHistory()),
+        input_messages_key="question", history_messages_key="history")
     config = {"configurable": {"session_id": "one"}}
     stats = [chain.invoke({"question": message}, config=config).response_metadata for message in TURNS]
     assert len(histories["one"].messages) == 2 * len(TURNS)
