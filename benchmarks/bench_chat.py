@@ -20,7 +20,8 @@ never give them any; ``answer_matches_reference`` says how often that happened.
 The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engine and chunk store:
 
 * ``full_prefill``: no reuse of any kind;
-* ``prefix_caching``: the exact prefix cache alone, as vLLM would reuse it (no chunk blending);
+* ``prefix_caching``: the exact prefix cache alone, as vLLM would reuse it (no chunk blending: nothing
+  is announced to it, so its LLM warns once per conversation that no chunk text was announced);
 * ``blending``: chunk blending alone, as before the prefix cache (issue 31's "today");
 * ``prefix+blending``: both, with the segment cache on (``--segment-cache-bytes``; the package's
   default leaves it off): earlier turns after the first chunk are blended like chunks.
