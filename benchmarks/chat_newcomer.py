@@ -173,7 +173,8 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(document: dict[str, Any], path: str | Path) -> Path:
-    """Each turn's prompt tokens stacked by origin, the turn's bound on fresh tokens marked."""
+    """Each turn's prompt tokens stacked by origin, the turn's bound on fresh tokens (as the issue writes
+    it) marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,13 +182,14 @@ def plot(document: dict[str, Any], path: str | Path) -> Path:
 
     rows = document["turns"]
     turns = [r["turn"] for r in rows]
+    # Fresh at the bottom, so each bar's fresh part stands against its bound's mark.
     parts = {
+        "fresh": [r["fresh_tokens"] for r in rows],
         "exact (prefix cache)": [r["exact_tokens"] for r in rows],
         "reused (blended)": [r["reused_tokens"] - r["exact_tokens"] for r in rows],
         "recomputed": [r["recomputed_tokens"] for r in rows],
-        "fresh": [r["fresh_tokens"] for r in rows],
     }
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=120)
     bottom = [0] * len(rows)
     for label, values in parts.items():
         ax.bar(turns, values, bottom=bottom, label=label)
@@ -199,7 +201,7 @@ def plot(document: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("prompt tokens")
     ax.set_xticks(turns)
     ax.set_title(f"CondensePlusContextChatEngine, {document['model']}, top {document['top_k']}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
