@@ -12,6 +12,8 @@ against full prefill of the same prompt (teacher-forced KL over full prefill's f
 * ``span_from_turn1``: the span's K/V from turn 1's request, blended like a chunk;
 * ``span_alone``: the span's K/V computed once on its own behind the conditioning prefix, as a
   chunk is, blended like a chunk;
+* ``span_from_turn1_equal_cost``: as ``span_from_turn1`` at the ratio that recomputes as many tokens
+  as ``span_fresh`` computes (the whole span and 0.15 of the chunks), chosen among chunks and span;
 * ``span_from_turn1_full_reuse``: as ``span_from_turn1`` at ratio 0 (nothing recomputed), the floor.
 
 The exact prefix (template and lead, from the prefix cache) is the same in every variant.
@@ -34,6 +36,7 @@ from cacheblend_rag.bench.metrics import token_kl
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.data import DemoQuestion, load_demo_corpus, load_demo_questions
 from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.engine.segments import PrefixSegment
 from cacheblend_rag.prompting import chunk_text, default_conditioning_prefix
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
 from cacheblend_rag.serving.segment_cache import SegmentCache
@@ -78,9 +81,15 @@ def variants(engine: CacheBlendEngine, service: BlendService, prompt: str, prefi
     span = segments[span_at]
     fresh = [*segments[:span_at], FreshSegment(span.token_ids), *segments[span_at + 1:]]
     alone = CachedSegment(engine.prefill_chunk(span.token_ids, prefix_ids=prefix_ids))
+    chunk_tokens = sum(len(s.token_ids) for s in segments if not isinstance(s, (FreshSegment, PrefixSegment)))
+    chunk_tokens -= len(span.token_ids)
+    # The ratio that recomputes as many tokens as span_fresh computes (the span, and 0.15 of the chunks),
+    # leaving the blend to choose where among chunks and span they go.
+    equal_cost = (0.15 * chunk_tokens + len(span.token_ids)) / (chunk_tokens + len(span.token_ids))
     return {
         "span_fresh": (fresh, 0.15),
         "span_from_turn1": (segments, 0.15),
+        "span_from_turn1_equal_cost": (segments, equal_cost),
         "span_alone": ([*segments[:span_at], alone, *segments[span_at + 1:]], 0.15),
         "span_from_turn1_full_reuse": (segments, 0.0),
         "_span_tokens": len(span.token_ids),

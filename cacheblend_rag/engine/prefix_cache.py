@@ -82,8 +82,9 @@ class PrefixBlockStore(Protocol):
 @dataclass
 class PrefixCacheStats:
     """What the cache holds and how it served: ``hits``/``misses`` count lookups that found at least
-    one block or none, ``hit_tokens`` the tokens they reused; ``store_blocks`` the blocks read from
-    the backing store."""
+    one block or none, ``hit_tokens`` the tokens they reused of the ``queried_tokens`` they could
+    have (vLLM's prefix-cache hit rate is their ratio); ``store_blocks`` the blocks read from the
+    backing store."""
 
     blocks: int = 0
     bytes: int = 0
@@ -92,6 +93,7 @@ class PrefixCacheStats:
     hits: int = 0
     misses: int = 0
     hit_tokens: int = 0
+    queried_tokens: int = 0
     inserted_blocks: int = 0
     evictions: int = 0
     store_blocks: int = 0
@@ -131,6 +133,12 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    @property
+    def hit_rate(self) -> float:
+        """Share of the tokens looked up that came from the cache."""
+        stats = self.stats()
+        return stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0
+
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None,
               salt: str = "") -> PrefixSegment | None:
@@ -158,6 +166,7 @@ class PrefixCache:
                 with self._lock:
                     self._counts.store_blocks += len(loaded)
         with self._lock:
+            self._counts.queried_tokens += limit
             if parts:
                 self._counts.hits += 1
                 self._counts.hit_tokens += len(parts) * self.block_size

@@ -5,8 +5,9 @@ which chunk texts prompts will contain (:meth:`BlendService.announce`); the serv
 them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
 cache, everything else fresh), takes the longest opening of the prompt whose K/V an earlier
 request left in the prefix cache (:mod:`~cacheblend_rag.engine.prefix_cache`) as an exact
-prefix, blends and decodes, and leaves the exact part of this request's K/V (prompt and answer,
-when all of it is exact) in the prefix cache for the next. All of that runs on the engine's
+prefix (and, with a segment cache, spans after the chunks an earlier request computed as cached
+segments), blends and decodes, and leaves the exact part of this request's K/V (prompt and
+answer, when all of it is exact) in the prefix cache for the next. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
 """
@@ -65,7 +66,8 @@ class Served:
 
     def stats(self) -> dict[str, Any]:
         """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``):
-        the blend's, what was found of the chunks, and the prefix cache's state (``prefix_cache_*``)."""
+        the blend's, what was found of the chunks, and the prefix and segment caches' state
+        (``prefix_cache_*``, ``segment_cache_*``)."""
         stats = self.result.stats_dict()
         stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
                      recompute_ratio=self.recompute_ratio, model=self.model)
@@ -74,7 +76,7 @@ class Served:
             stats.update(prefix_cache_blocks=held.blocks, prefix_cache_bytes=held.bytes,
                          prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
                          prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
-                         prefix_cache_evictions=held.evictions)
+                         prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions)
         stats["segment_tokens"] = self.prompt.segment_tokens
         if self.prompt.segment_hits and stats["mode"] != "full_prefill":
             stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)

@@ -80,3 +80,6 @@ class StorePrefixBlocks:
         block = ChunkKV(tuple(token_ids), [kv[layer, 0] for layer in range(kv.shape[0])],
                         [kv[layer, 1] for layer in range(kv.shape[0])])
         cache._submit(cache._write_logged, prefix_block_key(key), block, True)
+
+
+__all__ = ["BLOCK_KEY_PREFIX", "StorePrefixBlocks"]

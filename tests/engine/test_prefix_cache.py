@@ -64,6 +64,7 @@ def test_match_returns_the_longest_cached_block_aligned_prefix_and_keeps_the_las
     stats = cache.stats()
     assert (stats.blocks, stats.hits, stats.misses, stats.hit_tokens) == (3, 3, 1, 12 + 8 + 4)
     assert stats.bytes == 3 * block_bytes()
+    assert stats.queried_tokens == 16 + 11 + 13 + 13 and cache.hit_rate == 24 / 53
 
 
 def test_inserted_blocks_are_copies_not_views_of_the_callers_buffer():
