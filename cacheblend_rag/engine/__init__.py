@@ -3,8 +3,9 @@
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
 from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource, KVSourceProvider
+from cacheblend_rag.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, StoredSegment
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, StoredSegment
 from cacheblend_rag.engine.selection import (
     SelectionStrategy,
     available_strategies,
@@ -15,7 +16,8 @@ from cacheblend_rag.engine.selection import (
 
 __all__ = [
     "BlendResult", "BlendStats", "CacheBlendEngine", "CachedKVSource", "CachedSegment", "ChunkKV",
-    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "KVSourceProvider",
+    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "KVSourceProvider", "PrefixCache",
+    "PrefixCacheStats", "PrefixSegment",
     "SelectionStrategy", "StoredSegment", "available_strategies", "build_strategy", "get_strategy",
     "register_strategy",
 ]

@@ -23,17 +23,18 @@ from transformers import DynamicCache
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import gate
-from cacheblend_rag.engine.blend_run import BlendRun
+from cacheblend_rag.engine.blend_run import SKIP_EXACT_PREFIX_SHARE, BlendRun
 from cacheblend_rag.engine.calibrated import CalibratedSetting, describe_config, load_calibration
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
-from cacheblend_rag.engine.layout import PromptLayout
+from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length
 from cacheblend_rag.engine.precompute import precompute_chunks
 from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.engine.segments import (
     CachedSegment,
     ChunkKV,
     FreshSegment,
+    PrefixSegment,
     Segment,
     SegmentLike,
     StoredSegment,
@@ -253,17 +254,28 @@ class CacheBlendEngine:
             return self._prefill([t for s in segs for t in s.token_ids], started)
         if self.adapter is None:
             return self._fall_back(segs, started, self.unsupported_reason)
-        cached = sum(len(s.token_ids) for s in segs if not isinstance(s, FreshSegment))
+        # Exact as far as the segments tell; a store may yet say a stored lead was kept at fewer bits.
+        exact = exact_prefix_length(segs)
+        blendable = sum(len(s.token_ids) for s in segs if not isinstance(s, FreshSegment)) - exact
         least = self.min_blend_tokens if cfg.min_blend_tokens is None else cfg.min_blend_tokens
-        if cached < least:
-            return self._fall_back(segs, started, f"{cached} cached tokens, fewer than min_blend_tokens={least}: "
-                                                  "full prefill is as fast on a prompt this short, and exact")
+        reason = None
+        if 0 < blendable < least:
+            reason = (f"{blendable} cached tokens, fewer than min_blend_tokens={least}: full prefill is as fast on "
+                      "a prompt this short, and exact")
+            if not exact:
+                return self._fall_back(segs, started, reason)
+            # An exact prefix costs nothing to reuse: only what follows it is computed, as full prefill would.
+            segs = self._fresh_after_exact(segs, exact)
         if cfg.gate and not gate.passed(self, cfg):
             return self._fall_back(segs, started, "correctness gate failed for this model")
         strategy, check_layer = self.plan(cfg)
         # The store reads ahead from the first layer the blend reads: 0 when a profile or full reuse
-        # reads every layer, else the check layer (layers before it compute every token afresh).
-        reads_from_start = cfg.recompute_ratio == 0 or strategy.needs.profile is not None
+        # reads every layer, or a long exact prefix read from it is left out of the early layers,
+        # else the check layer (layers before it compute every token afresh).
+        total = sum(len(s.token_ids) for s in segs)
+        prefix_len = len(segs[0].token_ids) if isinstance(segs[0], PrefixSegment) else 0
+        skips_stored_prefix = exact > prefix_len and exact >= SKIP_EXACT_PREFIX_SHARE * total
+        reads_from_start = cfg.recompute_ratio == 0 or strategy.needs.profile is not None or skips_stored_prefix
         source, hits, misses = open_cached_source(self, segs, store, 0 if reads_from_start else check_layer)
         try:
             layout = PromptLayout.of(segs, self.device, source.lossless())
@@ -273,10 +285,21 @@ class CacheBlendEngine:
             source.close()
         # A chunk is a hit only if its stored KV was used: one recomputed after a failed load is not.
         stats = result.stats
+        stats.fallback_reason = reason
         stats.load_failures = source.load_failures
         stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses
         stats.loaded_tokens = stats.cached_tokens - source.computed_tokens
         return result
+
+    @staticmethod
+    def _fresh_after_exact(segs: list[Segment], exact: int) -> list[Segment]:
+        """``segs`` with every cached segment after the first ``exact`` tokens made fresh."""
+        out: list[Segment] = []
+        offset = 0
+        for s in segs:
+            out.append(s if offset < exact or isinstance(s, FreshSegment) else FreshSegment(s.token_ids))
+            offset += len(s.token_ids)
+        return out
 
     def _fall_back(self, segs: list[Segment], started: float, reason: str | None) -> BlendResult:
         result = self._prefill([t for s in segs for t in s.token_ids], started)
@@ -307,13 +330,31 @@ class CacheBlendEngine:
                 f"{self.context_window}; pass fewer or shorter chunks"
             )
         adapter = self.adapter
-        fingerprint = self.fingerprint if any(isinstance(s, CachedSegment) for s in segs) else ""
+        fingerprint = self.fingerprint if any(isinstance(s, (CachedSegment, PrefixSegment)) for s in segs) else ""
         for i, s in enumerate(segs):
             if isinstance(s, StoredSegment) and store is None:
                 raise BlendInputError(f"segment {i} is a StoredSegment but no store was given; pass store=...")
             if isinstance(s, CachedSegment) and adapter is not None:
                 self._check_chunk(i, s.chunk, adapter, fingerprint)
+            if isinstance(s, PrefixSegment):
+                if i:
+                    raise BlendInputError(f"segment {i} is a PrefixSegment; a prefix can only open the prompt "
+                                          "(segment 0)")
+                if adapter is not None:
+                    segs[0] = self._checked_prefix(s, adapter, fingerprint)
         return segs
+
+    def _checked_prefix(self, s: PrefixSegment, adapter: DecoderAdapter, fingerprint: str) -> PrefixSegment:
+        expected = (adapter.num_layers, 2, adapter.num_kv_heads, len(s), adapter.head_dim)
+        if tuple(s.kv.shape) != expected:
+            raise ChunkMismatchError(f"the prefix segment's K/V is shaped {tuple(s.kv.shape)}, this model needs "
+                                     f"[layers, 2, kv_heads, tokens, head_dim] = {list(expected)}")
+        if s.model_fingerprint is not None and s.model_fingerprint != fingerprint:
+            raise ChunkMismatchError(f"the prefix segment was computed by another model (fingerprint "
+                                     f"{s.model_fingerprint[:12]}, this model is {fingerprint[:12]})")
+        if s.kv.device != self.device or s.kv.dtype != self.dtype:
+            return PrefixSegment(s.token_ids, s.kv.to(device=self.device, dtype=self.dtype), s.model_fingerprint)
+        return s
 
     def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter, fingerprint: str) -> None:
         expected = (adapter.num_layers, adapter.num_kv_heads, len(chunk), adapter.head_dim)
@@ -352,7 +393,7 @@ class CacheBlendEngine:
         n = len(input_ids)
         stats = BlendStats(
             mode="full_prefill", total_tokens=n, cached_tokens=0, reused_tokens=0,
-            recomputed_tokens=0, fresh_tokens=n, timings={"total": time.perf_counter() - started},
+            recomputed_tokens=0, fresh_tokens=n, exact_kv_tokens=n, timings={"total": time.perf_counter() - started},
         )
         return BlendResult(logits=logits, cache=cache, input_ids=input_ids, stats=stats)
 

@@ -37,6 +37,13 @@ from cacheblend_rag.models.adapters import DecoderAdapter
 
 CachedKV = tuple[torch.Tensor, torch.Tensor]
 
+# An exact prefix at least this share of the prompt is left out of the layers before the check layer
+# too. Below it, those layers carry every position, since a query set that starts at position 0 runs as
+# one causal attention, about 1.4x faster per useful FLOP on a CPU than the masked groups a query set
+# that starts later needs (docs/design.md, "Blend"): skipping pays once the prefix's share of the
+# projections and MLPs outweighs that, and a chat's cached history is most of its prompt.
+SKIP_EXACT_PREFIX_SHARE = 0.25
+
 
 class BlendRun:
     """The state of one blend: the merged cache being built and the tokens being carried.
@@ -69,10 +76,12 @@ class BlendRun:
         self.selected: torch.Tensor | None = None
         self.carried = layout.fresh_pos  # the uncached positions computed in the layers after the choice
         self.chosen_up_front = False
-        # Before the check layer every position is carried, the exact prefix too: its few tokens cost
+        # Before the check layer every position is carried, a short exact prefix too: its few tokens cost
         # little, and a query set that starts at position 0 runs as one causal attention instead of
-        # masked groups (faster per useful FLOP on a CPU; measured in docs/design.md, "Blend").
-        self.active = layout.fresh_pos if self.full_reuse else layout.positions
+        # masked groups (faster per useful FLOP on a CPU; measured in docs/design.md, "Blend"). A long
+        # one (a cached chat history) is never computed.
+        skip = layout.exact_end if layout.exact_end >= SKIP_EXACT_PREFIX_SHARE * layout.n else 0
+        self.active = layout.fresh_pos if self.full_reuse else layout.positions[skip:]
         self.hidden = a.embed(layout.ids[self.active].unsqueeze(0))
         self.q: torch.Tensor | None = None
         self.keys: list[torch.Tensor] = []
@@ -139,20 +148,25 @@ class BlendRun:
         self.hidden = self.a.embed(layout.ids[self.active].unsqueeze(0))
 
     def _choose_at_check_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CachedKV:
-        """Every token computed this layer: choose, keep every token's fresh K/V, then narrow to the choice."""
+        """Every token but a long exact prefix computed this layer: choose, keep every computed token's
+        fresh K/V, then narrow to the choice."""
         cached_pos = self.layout.cached_pos
-        key_layer = self.a.apply_rope(k, self.cos, self.sin)
+        if self.active.numel() == self.layout.n:
+            key_layer, value_layer = self.a.apply_rope(k, self.cos, self.sin), v
+        else:  # the exact prefix's K/V comes from the cache, the rest is this layer's
+            key_layer, value_layer = self._patched_layer(layer, k, v)
+        rows = torch.searchsorted(self.active, cached_pos)  # the cached tokens' rows of ``k``
         if self.recompute_all:
             self.selected = torch.arange(self.layout.n_cached, device=cached_pos.device)
         else:
             profiled = self.profile is not None and self.profile.covers(layer)
-            fresh_k = key_layer[0, :, cached_pos] if profiled else k[0, :, cached_pos]
-            ctx = self._context(layer, fresh_k, v[0, :, cached_pos])
+            fresh_k = key_layer[0, :, cached_pos] if profiled else k[0, :, rows]
+            ctx = self._context(layer, fresh_k, v[0, :, rows])
             if self.profile is None and self.strategy.needs.query_attention:
                 ctx.query_attention = lambda: self._question_attention(layer, key_layer)
             self.selected = self.strategy.select(ctx)
         self._restrict(self._active_for(self.selected))
-        return key_layer, v
+        return key_layer, value_layer
 
     def _narrowing(self) -> bool:
         """A gradual strategy still holds more tokens than its budget."""
@@ -235,14 +249,19 @@ class BlendRun:
         self.timings["total"] = time.perf_counter() - started
         recomputed = 0 if self.selected is None else int(self.selected.numel())
         n_cached_total = int(layout.all_cached_pos.numel())
+        # What full prefill computes: everything when every cached token was recomputed or none needed
+        # it, else the positions before the first blendable cached token.
+        exact_kv = layout.n if self.recompute_all or not layout.n_cached else int(layout.cached_pos[0])
         stats = BlendStats(
-            mode="full_reuse" if self.full_reuse else "blend",
+            mode="prefix_cached" if not layout.n_cached else "full_reuse" if self.full_reuse else "blend",
             total_tokens=layout.n,
             cached_tokens=n_cached_total,
             reused_tokens=n_cached_total - recomputed,
             recomputed_tokens=recomputed,
             fresh_tokens=layout.n - n_cached_total,
             exact_tokens=layout.exact_end,
+            prefix_tokens=layout.prefix_len,
+            exact_kv_tokens=exact_kv,
             selected_positions=[] if self.selected is None else layout.cached_pos[self.selected].tolist(),
             timings=self.timings,
         )

@@ -17,7 +17,7 @@ reason. It holds no thread and no lock; :mod:`cacheblend_rag.serving.scheduler` 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +141,7 @@ class Decoding:
         self.eos = eos
         self.started = started
         self.stats = blended.stats
+        self.prompt_ids = blended.input_ids
         self.prompt_tokens = len(blended.input_ids)
         self.window = engine.context_window
         self.token = sampler(blended.logits)  # the pending token: sampled, not yet accepted
@@ -154,6 +155,8 @@ class Decoding:
         self.room = max(1, min(gen.max_new_tokens - 1, self.window - self.prompt_tokens))
         self.cache: Any = blended.cache  # the blend's; the model's own forward decodes it without an adapter
         self._kv: DecodingKV | None = None
+        # Called once the request finishes, while its KV is still held (a server keeps the prefix).
+        self.on_finish: Callable[["Decoding"], None] | None = None
 
     @property
     def kv(self) -> DecodingKV | None:
@@ -197,8 +200,29 @@ class Decoding:
             text = complete_text(self.engine.tokenizer.decode(self.tokens, skip_special_tokens=True))
         delta = text[len(self.emitted):] if len(text) > len(self.emitted) else ""
         self.emitted = text
+        if self.on_finish is not None:
+            self.on_finish(self)
         self.release()
         return delta
+
+    def held_kv(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """The token ids whose K/V this request holds (the prompt, then the answer tokens already fed)
+        and each layer's keys (rotated) and values, ``[1, kv_heads, >= len(ids), head_dim]``. Nothing
+        where a sliding window has dropped the opening tokens from a layer."""
+        if self._kv is not None:
+            keys, values, lengths = self._kv.keys, self._kv.values, self._kv.lengths
+        elif self.cache is not None:
+            keys, values = [l.keys for l in self.cache.layers], [l.values for l in self.cache.layers]
+            lengths = [k.shape[2] for k in keys]
+        else:
+            return [], [], []
+        length = min(lengths)
+        a = self.engine.adapter
+        windows = [a.sliding_window(layer) for layer in range(a.num_layers)] if a is not None else [0]
+        if len(set(lengths)) != 1 or any(w is not None and w < length for w in windows):
+            return [], [], []
+        ids = [*self.prompt_ids, *self.tokens]
+        return ids[:length], keys, values
 
     def release(self) -> None:
         """Drop the request's KV (it is finished, cancelled or failed)."""

@@ -12,7 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, Segment, StoredSegment
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment, StoredSegment
 
 
 class CachedKVSource(ABC):
@@ -137,14 +137,14 @@ class KVSourceProvider(Protocol):
 def open_cached_source(
     engine: Any, segs: Sequence[Segment], store: KVSourceProvider | None, first_layer: int
 ) -> tuple[CachedKVSource, int, int]:
-    """One source over every cached segment of ``segs`` in prompt order (in-memory chunks and
-    stored ones read through ``store``), with the numbers of cache hits and misses."""
+    """One source over every cached chunk of ``segs`` in prompt order (in-memory chunks and stored
+    ones read through ``store``; a prefix segment is not a chunk), with the numbers of cache hits
+    and misses."""
     cached = [s for s in segs if isinstance(s, CachedSegment)]
     stored = [s for s in segs if isinstance(s, StoredSegment)]
     memory = InMemoryKVSource([s.chunk for s in cached], engine.device, engine.dtype) if cached else None
-    if not stored:
-        assert memory is not None
-        return memory, len(cached), 0
+    if not stored:  # no chunk at all (a prompt cached only as a prefix segment): an empty source
+        return memory or InMemoryKVSource([], engine.device, engine.dtype), len(cached), 0
     assert store is not None
     from_store, hits, misses = store.open_source(engine, stored, first_layer=first_layer)
     if memory is None:
@@ -152,7 +152,7 @@ def open_cached_source(
     parts = [(memory, [len(s.token_ids) for s in cached]), (from_store, [len(s.token_ids) for s in stored])]
     order, counters = [], [0, 0]
     for s in segs:
-        if isinstance(s, FreshSegment):
+        if isinstance(s, (FreshSegment, PrefixSegment)):  # not chunks of either source
             continue
         part = 0 if isinstance(s, CachedSegment) else 1
         order.append((part, counters[part]))

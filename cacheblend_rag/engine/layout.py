@@ -2,8 +2,10 @@
 
 A prompt is a run of segments. :class:`PromptLayout` turns them into positions: which
 are fresh (computed from scratch), which are cached, and which cached ones form an exact
-prefix (cached K/V that full prefill would compute too). :class:`MergedLayers` assembles
-one layer's K/V for all positions from the cached chunks, rotated into their places.
+prefix (cached K/V that full prefill would compute too: a :class:`PrefixSegment` from the
+prefix cache, then chunks computed behind exactly what precedes them). :class:`MergedLayers`
+assembles one layer's K/V for all positions from the prefix and the cached chunks, the
+chunks' keys rotated into their places.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Sequence
 import torch
 
 from cacheblend_rag.engine.kv_source import CachedKVSource
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment, Segment
+from cacheblend_rag.engine.segments import CachedSegment, FreshSegment, PrefixSegment, Segment
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 
@@ -22,10 +24,18 @@ def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None
     """Tokens at the start of the prompt whose cached K/V is exactly what full prefill computes:
     the leading cached chunks each computed behind exactly the prompt text before it (the
     first behind nothing, as a cached system prompt is) and held without loss (``lossless``, per
-    cached segment: not rounded to fewer bits or quantized by a store). Prefix caching, in blend terms."""
+    cached segment: not rounded to fewer bits or quantized by a store). A :class:`PrefixSegment` from
+    the prefix cache opens it. Prefix caching, in blend terms."""
     before: list[int] = []
-    for index, s in enumerate(segs):
-        if isinstance(s, FreshSegment) or (lossless is not None and not lossless[index]):
+    # ``lossless`` counts the chunks of the source, which the prefix segment is not one of.
+    offset = 1 if segs and isinstance(segs[0], PrefixSegment) else 0
+    if offset:
+        before.extend(segs[0].token_ids)
+    for index in range(offset, len(segs)):
+        s = segs[index]
+        if isinstance(s, (FreshSegment, PrefixSegment)) or (lossless is not None and not lossless[index - offset]):
+            break
+        if isinstance(s, CachedSegment) and s.chunk.approximate:
             break
         prefix = s.chunk.prefix_ids if isinstance(s, CachedSegment) else s.prefix_ids
         if tuple(prefix) != tuple(before):
@@ -46,7 +56,8 @@ class PromptLayout:
     all_cached_pos: torch.Tensor  # every cached position, sorted
     cached_pos: torch.Tensor  # cached positions after the exact prefix: the blendable ones
     exact_end: int  # length of the exact prefix
-    prompt_spans: list[tuple[int, int]]  # every cached chunk, [start, end) in prompt positions
+    prefix: PrefixSegment | None  # the prefix cache's K/V of positions [0, prefix_len)
+    prompt_spans: list[tuple[int, int]]  # every cached chunk (not the prefix), [start, end) in prompt positions
     chunk_spans: list[tuple[int, int]]  # blendable chunks, [start, end) among the blendable cached tokens
     question_len: int  # tokens of the last fresh segment
 
@@ -69,13 +80,15 @@ class PromptLayout:
                 if offset >= exact_end:
                     chunk_spans.append((cached_offset, cached_offset + length))
                     cached_offset += length
-                prompt_spans.append((offset, offset + length))
+                if not isinstance(s, PrefixSegment):
+                    prompt_spans.append((offset, offset + length))
             offset += length
         all_cached_pos = positions[cached_mask]
         return cls(
             input_ids=input_ids, ids=torch.tensor(input_ids, dtype=torch.long, device=device), positions=positions,
             fresh_pos=positions[~cached_mask], all_cached_pos=all_cached_pos, cached_pos=all_cached_pos[exact_end:],
-            exact_end=exact_end, prompt_spans=prompt_spans, chunk_spans=chunk_spans,
+            exact_end=exact_end, prefix=segs[0] if isinstance(segs[0], PrefixSegment) else None,
+            prompt_spans=prompt_spans, chunk_spans=chunk_spans,
             question_len=len(segs[-1].token_ids),
         )
 
@@ -89,15 +102,20 @@ class PromptLayout:
         return int(self.cached_pos.numel())
 
     @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix is None else len(self.prefix)
+
+    @property
     def chunk_lengths(self) -> list[int]:
         return [end - start for start, end in self.prompt_spans]
 
 
+
 class MergedLayers:
-    """One layer's K/V for all positions: the cached chunks, read from ``source``, with their keys
-    rotated to the positions they hold in this prompt. The fresh positions, which no chunk covers,
-    hold zeros until the caller writes them (a pass that leaves some unwritten masks them, and
-    0 * NaN would still be NaN)."""
+    """One layer's K/V for all positions: the prefix segment's as cached (its keys already rotated),
+    then the cached chunks, read from ``source``, with their keys rotated to the positions they hold
+    in this prompt. The fresh positions, which no chunk covers, hold zeros until the caller writes
+    them (a pass that leaves some unwritten masks them, and 0 * NaN would still be NaN)."""
 
     def __init__(
         self, a: DecoderAdapter, layout: PromptLayout, source: CachedKVSource,
@@ -107,21 +125,31 @@ class MergedLayers:
         self.layout = layout
         self.source = source
         self.cos, self.sin = cos, sin
-        # One buffer for every layer's stored keys before RoPE; the positions no chunk covers stay zero.
-        self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n, a.head_dim), dtype=dtype, device=cos.device)
+        self.shape = (1, a.num_kv_heads, layout.n, a.head_dim)
+        self.dtype = dtype
+        # One buffer for every layer's stored keys before RoPE, from the end of the prefix segment on;
+        # the positions no chunk covers stay zero.
+        m = layout.prefix_len
+        self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = self.layout
-        parts = self.source.layer_parts(layer, layout.chunk_lengths)
-        value_layer = torch.empty_like(self._raw_keys).index_fill_(2, layout.fresh_pos, 0)
+        layout, m = self.layout, self.layout.prefix_len
+        parts = self.source.layer_parts(layer, layout.chunk_lengths) if layout.prompt_spans else []
+        value_layer = torch.empty(self.shape, dtype=self.dtype, device=self.cos.device).index_fill_(2, layout.fresh_pos, 0)
         for (start, end), (chunk_k, chunk_v) in zip(layout.prompt_spans, parts):
-            self._raw_keys[0, :, start:end].copy_(chunk_k)
+            self._raw_keys[0, :, start - m : end - m].copy_(chunk_k)
             value_layer[0, :, start:end].copy_(chunk_v)
-        # One rotation of the whole layer: per-chunk rotations cost about twice as much on a CPU,
+        key_layer = torch.empty_like(value_layer)
+        if layout.prefix is not None:
+            key_layer[0, :, :m].copy_(layout.prefix.kv[layer, 0])
+            value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])
+        # One rotation of the rest of the layer: per-chunk rotations cost about twice as much on a CPU,
         # where each of their many small operations pays its own dispatch.
-        return self.a.apply_rope(self._raw_keys, self.cos, self.sin), value_layer
+        self.a.apply_rope(self._raw_keys, self.cos[:, m:], self.sin[:, m:], out=key_layer[:, :, m:])
+        return key_layer, value_layer
 
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blendable cached tokens' K (before RoPE) and V at ``layer``, ``[kv_heads, n_cached, head_dim]``."""
-        k, v = self.source.layer(layer)
-        return k[:, self.layout.exact_end :], v[:, self.layout.exact_end :]
+        k, v = self.source.layer(layer)  # the chunks only: the prefix segment is not the source's
+        start = self.layout.exact_end - self.layout.prefix_len
+        return k[:, start:], v[:, start:]

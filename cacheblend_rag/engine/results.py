@@ -20,6 +20,10 @@ class BlendStats:
     recomputed_tokens: int  # cached tokens recomputed from the check layer on
     fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
     exact_tokens: int = 0  # cached tokens that form an exact prefix (reused as is, outside the budget)
+    prefix_tokens: int = 0  # of the exact tokens, those whose K/V came from the prefix cache (a PrefixSegment)
+    # leading positions whose K/V in the result is what full prefill computes (all of them at ratio 1.0
+    # or in full prefill; else up to the first blendable cached token): what a prefix cache may keep
+    exact_kv_tokens: int = 0
     selected_positions: list[int] = field(default_factory=list)
     cache_hits: int = 0  # chunks whose stored KV was used
     cache_misses: int = 0  # chunks with no valid entry, computed for this request
@@ -43,6 +47,8 @@ class BlendStats:
             "recomputed_tokens": self.recomputed_tokens,
             "fresh_tokens": self.fresh_tokens,
             "exact_tokens": self.exact_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "exact_kv_tokens": self.exact_kv_tokens,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "load_failures": self.load_failures,

@@ -1,4 +1,4 @@
-"""The pieces a blended prompt is made of: fresh token runs and cached chunks."""
+"""The pieces a blended prompt is made of: fresh token runs, cached chunks and a cached prefix."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class ChunkKV:
     values: list[torch.Tensor]
     prefix_ids: tuple[int, ...] = ()
     model_fingerprint: str | None = None
+    # KV taken out of another request (a blend's, say) rather than computed behind exactly
+    # ``prefix_ids``: never an exact prefix, whatever text precedes it.
+    approximate: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = as_token_ids(self.token_ids)
@@ -60,6 +63,7 @@ class ChunkKV:
             [v.to(device=device, dtype=dtype) for v in self.values],
             self.prefix_ids,
             self.model_fingerprint,
+            self.approximate,
         )
 
 
@@ -96,13 +100,37 @@ class StoredSegment:
         object.__setattr__(self, "prefix_ids", as_token_ids(prefix_ids, "prefix ids"))
 
 
-Segment = Union[FreshSegment, CachedSegment, StoredSegment]
+@dataclass(frozen=True, eq=False)
+class PrefixSegment:
+    """The opening tokens of a prompt with the K/V full prefill computes for them, from a prefix cache
+    (:mod:`~cacheblend_rag.engine.prefix_cache`). Always the first segment; reused as is, never
+    recomputed, outside the budget.
+
+    ``kv`` is ``[layers, 2, kv_heads, n, head_dim]``: keys (index 0) *rotated* at positions
+    0..n-1 and values (index 1). Unlike a chunk, a prefix never moves, so its keys are kept as the
+    decoding cache holds them, and a prefix taken from a finished request is used bit for bit.
+    """
+
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+    model_fingerprint: str | None = None
+
+    def __init__(self, token_ids: Sequence[int], kv: torch.Tensor, model_fingerprint: str | None = None) -> None:
+        object.__setattr__(self, "token_ids", as_token_ids(token_ids, "prefix token ids"))
+        object.__setattr__(self, "kv", kv)
+        object.__setattr__(self, "model_fingerprint", model_fingerprint)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+Segment = Union[FreshSegment, CachedSegment, StoredSegment, PrefixSegment]
 SegmentLike = Union[Segment, ChunkKV, Sequence[int]]
 
 
 def as_segment(item: SegmentLike) -> Segment:
     """Accept plain token lists (fresh) and bare ChunkKVs (cached) for convenience."""
-    if isinstance(item, (FreshSegment, CachedSegment, StoredSegment)):
+    if isinstance(item, (FreshSegment, CachedSegment, StoredSegment, PrefixSegment)):
         return item
     if isinstance(item, ChunkKV):
         return CachedSegment(item)
@@ -112,5 +140,5 @@ def as_segment(item: SegmentLike) -> Segment:
         return FreshSegment(item)
     raise TypeError(
         f"cannot use {type(item).__name__} as a segment; pass FreshSegment(token_ids), "
-        "CachedSegment(chunk_kv), StoredSegment(token_ids) or a list of token ids"
+        "CachedSegment(chunk_kv), StoredSegment(token_ids), PrefixSegment(token_ids, kv) or a list of token ids"
     )

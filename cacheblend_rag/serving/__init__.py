@@ -7,13 +7,23 @@ and one path from a rendered prompt to a blended answer. The integrations are fr
 * :mod:`~cacheblend_rag.serving.scheduler`: :class:`RequestScheduler`, the one worker thread of an
   engine, which blends requests as they come and decodes the running ones as one batch;
 * :mod:`~cacheblend_rag.serving.chunks`: the normal form of a chunk's text and the announced texts;
+* :mod:`~cacheblend_rag.serving.segment_cache`: :class:`SegmentCache`, spans after the chunks kept as cached segments;
 * :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
 """
 
 from cacheblend_rag.prompting import chunk_text, chunk_texts
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.config import SchedulerConfig
-from cacheblend_rag.serving.registry import EngineSlot, chunk_cache_for, scheduler_for, shared_engine, slot_for
+from cacheblend_rag.serving.registry import (
+    EngineSlot,
+    chunk_cache_for,
+    prefix_cache_for,
+    scheduler_for,
+    segment_cache_for,
+    shared_engine,
+    slot_for,
+)
+from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, RequestScheduler, SchedulerFullError
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
 from cacheblend_rag.serving.settings import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
@@ -21,6 +31,6 @@ from cacheblend_rag.serving.settings import BLEND_FIELDS, SAMPLING_FIELDS, Cache
 __all__ = [
     "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
     "RequestCancelled", "RequestHandle", "RequestScheduler", "SchedulerConfig", "SchedulerFullError",
-    "Served", "ServedStream", "chunk_cache_for", "scheduler_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
+    "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for", "scheduler_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",
 ]

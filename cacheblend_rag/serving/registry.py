@@ -19,10 +19,13 @@ from typing import Any, Sequence
 
 from cacheblend_rag.config import BlendConfig, SchedulerConfig
 from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.serving.scheduler import RequestScheduler
-from cacheblend_rag.store import ChunkCache, KVStore, open_store
+from cacheblend_rag.serving.segment_cache import SegmentCache
+from cacheblend_rag.store import ChunkCache, KVStore, MemoryKVStore, open_store
+from cacheblend_rag.store.prefix_blocks import StorePrefixBlocks
 
 # Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
 TINY_MODEL_PREFIX = "tiny-"
@@ -40,6 +43,9 @@ class EngineSlot:
     scheduler: RequestScheduler
     lock: threading.RLock = field(default_factory=threading.RLock)
     chunk_caches: dict[ChunkCacheKey, ChunkCache] = field(default_factory=dict)
+    # One prefix cache per store the engine's chunk caches use (and whether it writes blocks through).
+    prefix_caches: dict[tuple[int, bool], tuple[KVStore, PrefixCache]] = field(default_factory=dict)
+    segment_cache: SegmentCache | None = None
 
 
 _registry_lock = threading.Lock()
@@ -129,4 +135,46 @@ def chunk_cache_for(
             opened = store if isinstance(store, KVStore) else open_store(store, size_limit=size_limit)
             cache = slot.chunk_caches[key] = ChunkCache(engine, opened, prefix_ids=prefix,
                                                         storage_dtype=storage_dtype, auth_key=auth_key)
+        return cache
+
+
+def prefix_cache_for(engine: CacheBlendEngine, chunk_cache: ChunkCache, max_bytes: int, *,
+                     in_store: bool = False) -> PrefixCache | None:
+    """The prefix cache of ``engine`` beside ``chunk_cache``'s store, holding at most ``max_bytes``
+    (``None`` for 0, or an engine without a layer-wise adapter). Every integration object on one engine
+    and store shares it, so prompts that share a lead share its K/V; asked again with a larger bound it
+    grows to it. With ``in_store`` and a store other processes can reach (anything but process memory),
+    blocks are also written to and read from the store, for replicas."""
+    if max_bytes <= 0 or engine.adapter is None:
+        return None
+    slot = slot_for(engine)
+    store = chunk_cache.store
+    through = in_store and not isinstance(store, MemoryKVStore)
+    key = (id(store), through)
+    with slot.lock:
+        held = slot.prefix_caches.get(key)
+        if held is None or held[0] is not store:
+            cache = PrefixCache(max_bytes, backing=StorePrefixBlocks(chunk_cache) if through else None)
+            slot.prefix_caches[key] = (store, cache)
+            return cache
+        cache = held[1]
+        if max_bytes > cache.max_bytes:
+            cache.resize(max_bytes)
+        return cache
+
+
+def segment_cache_for(engine: CacheBlendEngine, max_bytes: int) -> SegmentCache | None:
+    """The segment cache of ``engine`` (recent spans after the chunks, :mod:`~cacheblend_rag.serving.segment_cache`),
+    holding at most ``max_bytes``; ``None`` for 0 or an engine without a layer-wise adapter. One per engine,
+    grown to the largest bound asked for."""
+    if max_bytes <= 0 or engine.adapter is None:
+        return None
+    slot = slot_for(engine)
+    fingerprint = engine.fingerprint
+    with slot.lock:
+        cache = slot.segment_cache
+        if cache is None or cache.fingerprint != fingerprint:  # new weights: the old spans are another model's
+            cache = slot.segment_cache = SegmentCache(max_bytes, fingerprint=fingerprint)
+        elif max_bytes > cache.max_bytes:
+            cache.max_bytes = max_bytes
         return cache

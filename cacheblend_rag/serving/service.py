@@ -3,7 +3,11 @@
 Frameworks hand a model one rendered prompt string. The retrieval side has told the service
 which chunk texts prompts will contain (:meth:`BlendService.announce`); the service finds
 them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
-cache, everything else fresh), blends and decodes. All of that runs on the engine's
+cache, everything else fresh), takes the longest opening of the prompt whose K/V an earlier
+request left in the prefix cache (:mod:`~cacheblend_rag.engine.prefix_cache`) as an exact
+prefix (and, with a segment cache, spans after the chunks an earlier request computed as cached
+segments), blends and decodes, and leaves the exact part of this request's K/V (prompt and
+answer, when all of it is exact) in the prefix cache for the next. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
 """
@@ -12,18 +16,22 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+import torch
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
 from cacheblend_rag.engine.decode import Decoding
 from cacheblend_rag.engine.generate import start_decoding
-from cacheblend_rag.engine.segments import Segment
+from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
 from cacheblend_rag.prompting import split_prompt, to_segments_in_context
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
 from cacheblend_rag.serving.registry import scheduler_for
 from cacheblend_rag.serving.scheduler import RequestHandle
+from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, WarmSummary
 from cacheblend_rag.store.chunk_cache import with_progress
 
@@ -38,6 +46,11 @@ class PreparedPrompt:
     chunks_found: int
     chunks_missing: int  # texts of the latest announcement the prompt lacks verbatim
     reason: str | None  # why no chunk KV is reused, when none is
+    prefix_tokens: int = 0  # tokens the prefix cache held (the first segment, then a PrefixSegment)
+    segment_tokens: int = 0  # tokens of spans after the chunks whose K/V an earlier request left
+    segment_hits: int = 0  # such spans (cached segments, but not chunks: not counted as cache hits)
+    # [start, end) of the fresh spans after the first chunk, as the prompt split them: kept for the next
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -48,14 +61,31 @@ class Served:
     prompt: PreparedPrompt
     model: str
     recompute_ratio: float
+    prefix_cache: PrefixCache | None = None
+    segment_cache: SegmentCache | None = None
 
     def stats(self) -> dict[str, Any]:
-        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``)."""
+        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``):
+        the blend's, what was found of the chunks, and the prefix and segment caches' state
+        (``prefix_cache_*``, ``segment_cache_*``)."""
         stats = self.result.stats_dict()
         stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
                      recompute_ratio=self.recompute_ratio, model=self.model)
-        if stats.get("fallback_reason") is None and stats["mode"] == "full_prefill":
-            stats["fallback_reason"] = self.prompt.reason
+        if self.prefix_cache is not None:
+            held = self.prefix_cache.stats()
+            stats.update(prefix_cache_blocks=held.blocks, prefix_cache_bytes=held.bytes,
+                         prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
+                         prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
+                         prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions)
+        stats["segment_tokens"] = self.prompt.segment_tokens
+        if self.prompt.segment_hits and stats["mode"] != "full_prefill":
+            stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)
+        if self.segment_cache is not None:
+            spans = self.segment_cache.stats()
+            stats.update(segment_cache_entries=spans.entries, segment_cache_bytes=spans.bytes,
+                         segment_cache_hits=spans.hits)
+        if stats.get("fallback_reason") is None and stats["mode"] in ("full_prefill", "prefix_cached"):
+            stats["fallback_reason"] = self.prompt.reason  # why no chunk K/V was reused, if none was found
         return stats
 
 
@@ -78,12 +108,15 @@ def _normalized(text: str) -> str:
 class BlendService:
     """One engine, its chunk cache and the chunk texts announced to one integration object."""
 
-    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks) -> None:
+    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks,
+                 prefix_cache: PrefixCache | None = None, segment_cache: SegmentCache | None = None) -> None:
         if chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
         self.engine = engine
         self.chunk_cache = chunk_cache
         self.announced = announced
+        self.prefix_cache = prefix_cache if engine.adapter is not None else None
+        self.segment_cache = segment_cache if engine.adapter is not None else None
         self.scheduler = scheduler_for(engine)
         self._warned: set[str] = set()
 
@@ -109,14 +142,101 @@ class BlendService:
         split = split_prompt(prompt, self.announced.known())
         segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
         found = set(split.found)
+        reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
+        segments = self._with_cached_prefix(segments)
+        segments, reused, spans = self._with_cached_spans(segments)
         return PreparedPrompt(
             segments=segments,
             chunks_found=len(split.found),
             # Chunks of the latest announcement that this prompt lacks verbatim (changed by a template,
             # truncated, or, in refine mode, simply handled by another call).
             chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
-            reason=None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments)),
+            reason=reason,
+            prefix_tokens=len(segments[0].token_ids) if segments and isinstance(segments[0], PrefixSegment) else 0,
+            segment_tokens=reused, spans=spans,
+            segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
+
+    def _with_cached_prefix(self, segments: list[Segment]) -> list[Segment]:
+        """``segments`` opened by the longest prefix of their token ids the prefix cache holds. The ids
+        are the ones the blend sees (the whole prompt's where the tokenizer allows), so block
+        boundaries are token boundaries of this prompt. A chunk the prefix ends inside keeps its tail
+        as fresh tokens: its stored K/V is the whole chunk's, at its own start."""
+        cache = self.prefix_cache
+        if cache is None or not cache.enabled or not segments:
+            return segments
+        hit = cache.match([t for s in segments for t in s.token_ids], self.engine.fingerprint)
+        if hit is None:
+            return segments
+        m, rest, offset = len(hit.token_ids), [], 0
+        for s in segments:
+            end = offset + len(s.token_ids)
+            if offset >= m:
+                rest.append(s)
+            elif end > m:
+                rest.append(FreshSegment(s.token_ids[m - offset:]))
+            offset = end
+        return [hit, *rest]
+
+    def _with_cached_spans(self, segments: list[Segment]) -> tuple[list[Segment], int, list[tuple[int, int]]]:
+        """Fresh spans after the first chunk that open with a span an earlier request computed become
+        that span's cached segment and a fresh rest (the last keeps at least its last token fresh).
+        Returns the segments, the tokens reused and where the fresh spans lie (to keep them after)."""
+        cache = self.segment_cache
+        out: list[Segment] = []
+        spans: list[tuple[int, int]] = []
+        reused = offset = 0
+        after_chunk = False
+        for index, s in enumerate(segments):
+            n = len(s.token_ids)
+            if isinstance(s, (StoredSegment, CachedSegment)):
+                after_chunk = True
+            elif isinstance(s, FreshSegment) and after_chunk and cache is not None:
+                spans.append((offset, offset + n))
+                last = index == len(segments) - 1
+                hit = cache.match(s.token_ids, self.engine.fingerprint, max_tokens=n - 1 if last else n)
+                if hit is not None:
+                    out.append(CachedSegment(hit))
+                    if len(hit) < n:
+                        out.append(FreshSegment(s.token_ids[len(hit):]))
+                    reused += len(hit)
+                    offset += n
+                    continue
+            out.append(s)
+            offset += n
+        return out, reused, spans
+
+    def _after(self, decoding: Decoding, prepared: PreparedPrompt) -> None:
+        """After a request, on the worker: its exact K/V into the prefix cache (the answer's too when the
+        whole prompt was exact, so the next turn of a chat, which opens with this prompt and answer,
+        finds them), and its spans after the chunks into the segment cache."""
+        try:
+            ids, keys, values = decoding.held_kv()
+            if not ids:
+                return
+            if self.prefix_cache is not None and self.prefix_cache.enabled:
+                exact = decoding.stats.exact_kv_tokens
+                # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
+                kept = ids[:exact] if exact < decoding.prompt_tokens else ids
+                self.prefix_cache.insert(kept, keys, values, self.engine.fingerprint)
+            if self.segment_cache is not None and prepared.spans:
+                self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens)
+        except Exception:  # keeping K/V is an optimisation: it never fails the request
+            logger.exception("could not keep this request's K/V for later requests")
+
+    def _keep_spans(self, ids: list[int], keys: list[Any], values: list[Any], spans: list[tuple[int, int]],
+                    prompt_tokens: int) -> None:
+        a = self.engine.adapter
+        assert a is not None and self.segment_cache is not None
+        for start, end in spans:
+            if end == prompt_tokens:
+                end = len(ids)  # the span that ends the prompt continues with the answer
+            positions = torch.arange(start, end, device=keys[0].device).unsqueeze(0)
+            cos, sin = a.rope_cos_sin(keys[0][:, :, start:end], positions)
+            # Back to before RoPE, a chunk's form: a rotation by the negative angle.
+            raw = [a.apply_rope(k[:, :, start:end], cos, -sin)[0] for k in keys]
+            self.segment_cache.remember(ids[start:end], raw, [v[0, :, start:end] for v in values],
+                                        self.engine.fingerprint)
 
     def _no_reuse(self, prompt: str, tokens: int) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
@@ -158,11 +278,15 @@ class BlendService:
 
         def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
             prepared.append(self.prepare(prompt, reuse=reuse))
-            return start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
-                                  started=submitted)
+            decoding = start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
+                                      started=submitted)
+            if reuse and (self.prefix_cache is not None or self.segment_cache is not None):
+                decoding.on_finish = lambda done: self._after(done, prepared[0])
+            return decoding
 
         def finish(result: GenerationResult) -> Served:
-            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio)
+            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio,
+                          self.prefix_cache if reuse else None, self.segment_cache if reuse else None)
 
         return self.scheduler.submit(start, finish)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
@@ -33,13 +33,20 @@ from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
 from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving.chunks import AnnouncedChunks
-from cacheblend_rag.serving.registry import chunk_cache_for, shared_engine
+from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, segment_cache_for, shared_engine
 from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
 logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
+# 256 MiB holds about 5,700 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): the leads and
+# recent conversations of a small server. Larger models want more.
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+# Off by default: a repeated span's K/V comes from whichever request computed it last, so an answer
+# depends on the requests before it (serial and concurrent runs of the same prompts differ), and
+# docs/design.md ("The segment cache") has what it buys.
+DEFAULT_SEGMENT_CACHE_BYTES = 0
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 # Setting any of these leaves the setting to the user: a saved calibration is then not used.
@@ -121,6 +128,25 @@ class CacheBlendSettings(BaseModel):
     )
     max_announced_chunks: int = Field(
         default=4096, ge=1, description="How many announced chunk texts are remembered (least recent dropped)."
+    )
+    prefix_cache_bytes: Union[int, str] = Field(
+        default=DEFAULT_PREFIX_CACHE_BYTES,
+        description="Bound on the prefix cache, in bytes or with a unit ('256MB'): the K/V of prompt openings "
+        "earlier requests computed exactly (template lead, system prompt, a chat's previous prompt and answer), "
+        "reused as is; 0 disables it. Shared by every object on one engine and store (the largest bound wins).",
+    )
+    segment_cache_bytes: Union[int, str] = Field(
+        default=DEFAULT_SEGMENT_CACHE_BYTES,
+        description="Bound on the segment cache, in bytes or with a unit: the K/V of recent prompt spans after the "
+        "chunks (an app's system prompt after the context, earlier turns of a chat), blended like a chunk when a "
+        "later prompt repeats them, e.g. '64MB'. 0 (the default) disables it: answers then never depend on the "
+        "requests before them.",
+    )
+    prefix_cache_in_store: bool = Field(
+        default=False,
+        description="Also keep prefix-cache blocks in the chunk store when other processes can read it (a disk "
+        "folder, Redis), so replicas share prefixes. Off by default: blocks are stored losslessly, every new "
+        "block of every request is written, and a store sized for chunks fills up; a memory store never holds them.",
     )
 
     # --- BlendConfig (cacheblend_rag.config.BlendConfig has their full meaning)
@@ -219,6 +245,13 @@ class CacheBlendSettings(BaseModel):
         codec_named(value)  # ConfigError names the choices
         return value
 
+    @field_validator("prefix_cache_bytes", "segment_cache_bytes")
+    @classmethod
+    def _cache_size_is_understood(cls, value: Union[int, str], info: ValidationInfo) -> Union[int, str]:
+        if isinstance(value, bool) or parse_size(value) < 0:
+            raise ValueError(f"{info.field_name}={value!r} must be a size >= 0, e.g. 256MB, or 0 to disable it")
+        return value
+
     @field_validator("store_size_limit")
     @classmethod
     def _size_limit_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
@@ -260,7 +293,11 @@ class CacheBlendSettings(BaseModel):
             self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
                                                size_limit=self.store_size_limit, storage_dtype=self.storage_dtype,
                                                auth_key=key)
-        return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks))
+        prefix_cache = prefix_cache_for(engine, self.chunk_cache, parse_size(self.prefix_cache_bytes),
+                                        in_store=self.prefix_cache_in_store)
+        segment_cache = segment_cache_for(engine, parse_size(self.segment_cache_bytes))
+        return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks), prefix_cache,
+                            segment_cache)
 
     # ------------------------------------------------------------------ configs
     @property

@@ -1,4 +1,5 @@
-"""What a store holds, by codec: entries, tokens, bytes, and bytes per token (``cache stats``)."""
+"""What a store holds, by codec: entries, tokens, bytes, and bytes per token (``cache stats``); prefix-cache
+blocks (:mod:`cacheblend_rag.store.prefix_blocks`) apart from chunks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.errors import CorruptEntryError
 from cacheblend_rag.store.format import peek_manifest
+from cacheblend_rag.store.keys import is_prefix_block_key
 
 
 @dataclass
@@ -26,14 +28,17 @@ class CodecShare:
 
 def inventory(store: KVStore) -> dict[str, CodecShare]:
     """Chunks of ``store`` grouped by codec (``"int8 (group 64)"``; ``"unreadable"`` for manifests that
-    do not parse). Reads every manifest once; tags are not checked (nothing here is used to answer)."""
+    do not parse), prefix-cache blocks as ``"prefix blocks, <codec>"``. Reads every manifest once; tags
+    are not checked (nothing here is used to answer)."""
     shares: dict[str, CodecShare] = {}
-    for _, data in store.manifests():
+    for key, data in store.manifests():
         try:
             if isinstance(data, CorruptEntryError):
                 raise data
             manifest = peek_manifest(data)
             label = manifest.codec + (f" (group {manifest.group})" if manifest.group else "")
+            if is_prefix_block_key(key):
+                label = f"prefix blocks, {label}"
         except CorruptEntryError:
             shares.setdefault("unreadable", CodecShare()).entries += 1
             continue

@@ -51,3 +51,17 @@ def chunk_key(
         tag = codec_tag.encode()
         h.update(struct.pack("<Q", len(tag)) + tag)
     return h.hexdigest()
+
+
+# Prefix-cache blocks (cacheblend_rag.store.prefix_blocks) live in the same stores as chunks, under
+# keys of their own: a block entry is never taken for a chunk entry, and inventories count them apart.
+PREFIX_BLOCK_KEY = "prefix-"
+
+
+def prefix_block_key(chain_key: str) -> str:
+    """The store key of a prefix-cache block, from its chain key (:func:`engine.prefix_cache.block_keys`)."""
+    return PREFIX_BLOCK_KEY + chain_key
+
+
+def is_prefix_block_key(key: str) -> bool:
+    return key.startswith(PREFIX_BLOCK_KEY)

@@ -154,7 +154,8 @@ def test_recompute_ratio_one_equals_full_prefill_of_the_same_prompt(engine, embe
     llm = CacheBlendLLM.from_engine(engine, recompute_ratio=1.0, max_new_tokens=8)
     index = build_index(llm, embed_model)
     answer = query_engine(index, llm).query(QUESTION).response
-    assert llm.last_stats["mode"] == "blend" and llm.last_stats["reused_tokens"] == 0
+    # Every cached token is recomputed; only an exact prefix (an earlier request's) is reused as is.
+    assert llm.last_stats["mode"] == "blend" and llm.last_stats["reused_tokens"] == llm.last_stats["exact_tokens"]
 
     # Chunks keep the ids the whole prompt tokenizes to, so this is the plain model on the prompt.
     reference = engine.generate([FreshSegment(engine.tokenize(llm.last_prompt))], max_new_tokens=8)
@@ -167,7 +168,8 @@ def test_answers_without_postprocessor_by_full_prefill(llm, embed_model):
     baseline = CacheBlendLLM.from_engine(llm.engine, max_new_tokens=6)
     index.as_query_engine(llm=baseline, similarity_top_k=2).query(QUESTION)
     stats = baseline.last_stats
-    assert stats["mode"] == "full_prefill" and stats["chunks_found"] == 0
+    # An earlier request on this engine may have left the prompt's opening in the prefix cache.
+    assert stats["mode"] in ("full_prefill", "prefix_cached") and stats["chunks_found"] == 0
     assert "no chunk text was announced" in stats["fallback_reason"]  # and how to fix it
 
 
@@ -233,7 +235,7 @@ def test_chunk_changed_by_template_reports_a_miss_and_still_answers(llm, embed_m
     answer = query_engine(index, llm, text_qa_template=template).query(QUESTION).response
     stats = llm.last_stats
     assert stats["chunks_found"] == 0 and stats["chunks_missing"] == 2
-    assert stats["mode"] == "full_prefill" and stats["fallback_reason"]
+    assert stats["mode"] in ("full_prefill", "prefix_cached") and stats["fallback_reason"]
     reference = llm.engine.generate([llm.engine.tokenize(llm.last_prompt)], max_new_tokens=6)
     assert answer == reference.text
 
@@ -262,7 +264,8 @@ def test_response_modes(llm, embed_model, recorder, mode):
     assert recorder.calls, "no LLM call recorded"
     if mode == "refine":
         assert len(recorder.calls) == 3  # one call per chunk, each finds its chunk
-        assert all(call["chunks_found"] >= 1 and call["mode"] == "blend" for call in recorder.calls)
+        # A call whose whole prompt an earlier ratio-1.0 request computed is served from the prefix cache.
+        assert all(call["chunks_found"] >= 1 and call["mode"] in ("blend", "prefix_cached") for call in recorder.calls)
     else:
         assert sum(call["chunks_found"] for call in recorder.calls) >= 3
     assert all(call["cache_misses"] == 0 for call in recorder.calls)

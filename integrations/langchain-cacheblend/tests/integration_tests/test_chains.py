@@ -96,14 +96,16 @@ def test_chain_reuses_the_cache(engine, vectorstore) -> None:
 
 def test_ratio_one_matches_full_prefill(engine, vectorstore) -> None:
     blended_chain, _, _ = cacheblend_chain(engine, vectorstore, recompute_ratio=1.0)
-    plain_llm = ChatCacheBlend(engine=engine, max_tokens=12)  # told about no chunk: full prefill
+    # Told about no chunk and keeping no prefix: full prefill
+    plain_llm = ChatCacheBlend(engine=engine, max_tokens=12, prefix_cache_bytes=0)
     plain_chain = make_chain(vectorstore.as_retriever(search_kwargs={"k": 2}), plain_llm)
     for question in QUESTIONS:
         blended, plain = MetadataCollector(), MetadataCollector()
         a = blended_chain.invoke(question, config={"callbacks": [blended]})
         b = plain_chain.invoke(question, config={"callbacks": [plain]})
         assert blended.runs[-1]["mode"] == "blend" and plain.runs[-1]["mode"] == "full_prefill"
-        assert blended.runs[-1]["recomputed_tokens"] == blended.runs[-1]["cached_tokens"] > 0
+        run = blended.runs[-1]  # every cached token recomputed, but the exact prefix an earlier question left
+        assert run["recomputed_tokens"] == run["cached_tokens"] - run["exact_tokens"] > 0
         assert blended.runs[-1]["prompt_tokens"] == plain.runs[-1]["prompt_tokens"]
         assert a == b
 

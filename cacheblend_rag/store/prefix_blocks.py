@@ -1,0 +1,85 @@
+"""Prefix-cache blocks in a KV store, so replicas sharing the store share prompt prefixes.
+
+A block (:mod:`cacheblend_rag.engine.prefix_cache`) is stored as a chunk entry is: one value per
+layer holding its keys (rotated, as the prefix cache keeps them) and values, in the store's safe
+format (:mod:`cacheblend_rag.store.format`: bounded, tagged, never unpickled, MAC'd in
+authenticated mode), and a manifest written last. Blocks are always stored losslessly, in the
+model's own dtype: a prefix is reused as exact K/V, and rounded K/V would not be.
+
+Store keys are ``prefix-`` and the block's chain key (SHA-256 of the fingerprint, the parent's key
+and the block's token ids), so a block entry is never taken for a chunk entry, and ``cache stats``
+counts blocks apart. Reads go through :class:`~cacheblend_rag.store.entries.EntryRules`, the one
+validation path of the chunk cache: a damaged entry is logged, counted as ``corrupt`` and deleted,
+and the prefix the reader gets stops before it, so the request computes those tokens afresh
+(and writes the block again). Writes run on the chunk cache's writer thread.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.store.chunk_cache import ChunkCache
+from cacheblend_rag.store.codec import codec_for_name
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.format import Manifest
+from cacheblend_rag.store.keys import PREFIX_BLOCK_KEY as BLOCK_KEY_PREFIX
+from cacheblend_rag.store.keys import prefix_block_key
+
+
+class StorePrefixBlocks:
+    """A :class:`~cacheblend_rag.engine.prefix_cache.PrefixBlockStore` over ``chunk_cache``'s store,
+    its validation rules, its tags (checksum or MAC) and its writer thread."""
+
+    def __init__(self, chunk_cache: ChunkCache) -> None:
+        self.cache = chunk_cache
+
+    def load_blocks(self, keys: Sequence[str], block_size: int) -> list[torch.Tensor]:
+        cache, engine = self.cache, self.cache.engine
+        names = [prefix_block_key(key) for key in keys]
+        plans: list[tuple[str, Manifest]] = []
+        for name, data in zip(names, cache._fetch_manifests(names)):
+            manifest = cache._valid_manifest(name, data, block_size)  # a damaged one is counted and removed
+            if manifest is None or not codec_for_name(manifest.codec, manifest.group).exact_for(engine.dtype):
+                break
+            plans.append((name, manifest))
+        if not plans:
+            return []
+        try:
+            blobs = cache.store.get_layers([(name, m.write_id, i) for name, m in plans for i in range(m.num_layers)])
+        except (StoreError, OSError) as exc:
+            cache._warn("read", exc)
+            return []
+        blocks: list[torch.Tensor] = []
+        layers = engine.num_layers
+        for index, (name, manifest) in enumerate(plans):
+            try:
+                block = self._decode(blobs[index * layers : (index + 1) * layers], manifest)
+            except CorruptEntryError as exc:
+                cache._discard(name, exc)
+                break
+            blocks.append(block)
+        return blocks
+
+    def _decode(self, blobs: Sequence[object], manifest: Manifest) -> torch.Tensor:
+        engine = self.cache.engine
+        parts = []
+        for layer, blob in enumerate(blobs):
+            if isinstance(blob, CorruptEntryError):
+                raise blob
+            k, v = self.cache.rules.layer(blob, manifest, layer).unpacked(engine.dtype)
+            parts.append(torch.stack([k, v]))
+        return torch.stack(parts).to(engine.device)
+
+    def save_block(self, key: str, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        cache = self.cache
+        if cache.closed or not cache.write_back:
+            return
+        block = ChunkKV(tuple(token_ids), [kv[layer, 0] for layer in range(kv.shape[0])],
+                        [kv[layer, 1] for layer in range(kv.shape[0])])
+        cache._submit(cache._write_logged, prefix_block_key(key), block, True)
+
+
+__all__ = ["BLOCK_KEY_PREFIX", "StorePrefixBlocks"]

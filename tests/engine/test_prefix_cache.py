@@ -1,0 +1,305 @@
+"""The prefix cache (engine/prefix_cache.py) and blends that open with a cached prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
+from cacheblend_rag.engine.prefix_cache import PrefixCache, block_keys
+from cacheblend_rag.engine.segments import PrefixSegment
+from cacheblend_rag.engine.selection import selection_budget
+from cacheblend_rag.errors import BlendInputError, ChunkMismatchError, ConfigError
+from cacheblend_rag.testing import tiny_engine
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+LEAD = ("Given the context information and not prior knowledge, answer the query. Context information is below. "
+        "The quick brown fox jumps over the lazy dog.\n")
+CHUNKS = [
+    "Paris is the capital of France. The quick brown fox jumps over the lazy dog.",
+    "Marie Curie was a physicist and chemist who won two Nobel prizes in Warsaw and Paris.",
+    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+]
+QUESTION = "\nQuestion: What is the capital of France? Answer:"
+
+
+def fake_kv(layers: int, n: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(1, 2, n, 8, generator=g) for _ in range(layers)]
+    values = [torch.randn(1, 2, n, 8, generator=g) for _ in range(layers)]
+    return keys, values
+
+
+def block_bytes(layers: int = 2, block: int = 4) -> int:
+    return layers * 2 * 2 * block * 8 * 4
+
+
+# --------------------------------------------------------------------------- the cache alone
+def test_block_keys_chain_the_prefix_the_model_and_the_salt():
+    ids = list(range(40))
+    keys = block_keys("model-a", ids, 16)
+    assert len(keys) == 2  # the last 8 tokens are no full block
+    assert block_keys("model-a", ids[:32] + [7] * 5, 16) == keys  # a block's key names its prefix only
+    assert block_keys("model-a", [99] + ids[1:], 16)[1] != keys[1]  # ... all of it: a change before it
+    assert block_keys("model-b", ids, 16)[0] != keys[0]
+    assert block_keys("model-a", ids, 16, salt="tenant-2")[0] != keys[0]
+    with pytest.raises(ValueError, match="fingerprint is empty"):
+        block_keys("", ids, 16)
+
+
+def test_match_returns_the_longest_cached_block_aligned_prefix_and_keeps_the_last_token_fresh():
+    cache = PrefixCache(1 << 20, block_size=4)
+    ids = list(range(10, 24))  # 14 tokens: 3 full blocks
+    keys, values = fake_kv(2, 14)
+    assert cache.insert(ids, keys, values, "fp") == 3
+    assert cache.insert(ids, keys, values, "fp") == 0  # already held
+    hit = cache.match(ids + [1, 2, 3], "fp")
+    assert isinstance(hit, PrefixSegment) and hit.token_ids == tuple(ids[:12])
+    assert hit.kv.shape == (2, 2, 2, 12, 8)
+    assert torch.equal(hit.kv[1, 0], keys[1][0, :, :12]) and torch.equal(hit.kv[0, 1], values[0][0, :, :12])
+    # A prompt that is exactly the cached blocks: its last token is held back, so one block less.
+    assert cache.match(ids[:12], "fp").token_ids == tuple(ids[:8])
+    assert cache.match(ids[:5] + [0] * 9, "fp").token_ids == tuple(ids[:4])  # diverges in block 2
+    assert cache.match([0] + ids[1:], "fp") is None  # diverges in block 1
+    stats = cache.stats()
+    assert (stats.blocks, stats.hits, stats.misses, stats.hit_tokens) == (3, 3, 1, 12 + 8 + 4)
+    assert stats.bytes == 3 * block_bytes()
+    assert stats.queried_tokens == 16 + 11 + 13 + 13 and cache.hit_rate == 24 / 53
+
+
+def test_inserted_blocks_are_copies_not_views_of_the_callers_buffer():
+    cache = PrefixCache(1 << 20, block_size=4)
+    keys, values = fake_kv(2, 8)
+    cache.insert(list(range(8)), keys, values, "fp")
+    expected = keys[0][0, :, :4].clone()
+    keys[0].zero_()
+    assert torch.equal(cache.match(list(range(9)), "fp").kv[0, 0, :, :4], expected)
+
+
+def test_other_models_tenants_and_texts_never_share_blocks():
+    cache = PrefixCache(1 << 20, block_size=4)
+    ids = list(range(12))
+    cache.insert(ids, *fake_kv(2, 12), "model-a", salt="tenant-1")
+    assert cache.match(ids, "model-b", salt="tenant-1") is None
+    assert cache.match(ids, "model-a", salt="tenant-2") is None
+    assert cache.match(ids, "model-a") is None
+    assert cache.match([5] + ids[1:], "model-a", salt="tenant-1") is None
+    assert len(cache.match(ids, "model-a", salt="tenant-1").token_ids) == 8
+
+
+def test_the_byte_bound_evicts_least_recently_used_leaves_so_chains_stay_prefixes():
+    one = block_bytes()
+    cache = PrefixCache(5 * one, block_size=4)
+    lead = list(range(8))
+    first, second = lead + [100, 101, 102, 103], lead + [200, 201, 202, 203]
+    cache.insert(first + [0], *fake_kv(2, 13, seed=1), "fp")  # lead (2 blocks) + 1
+    cache.insert(second + [0], *fake_kv(2, 13, seed=2), "fp")  # shares the lead: +1 block
+    assert cache.stats().blocks == 4
+    assert cache.match(first + [9], "fp").token_ids == tuple(first)  # first is now the more recent
+    third = list(range(50, 62))
+    cache.insert(third + [0], *fake_kv(2, 13, seed=3), "fp")  # 3 new blocks, room for 1: evict 2 leaves
+    stats = cache.stats()
+    assert stats.blocks == 5 and stats.bytes <= 5 * one and stats.evictions == 2
+    # The least recently used leaf went first (second's last block), then first's: the lead stays.
+    assert cache.match(second + [9], "fp").token_ids == tuple(lead)
+    assert cache.match(first + [9], "fp").token_ids == tuple(lead)
+    assert cache.match(third + [9], "fp").token_ids == tuple(third)
+
+
+def test_a_block_larger_than_the_bound_is_not_kept_and_zero_disables():
+    assert PrefixCache(10, block_size=4).insert(list(range(8)), *fake_kv(2, 8), "fp") == 0
+    off = PrefixCache(0, block_size=4)
+    assert not off.enabled and off.insert(list(range(8)), *fake_kv(2, 8), "fp") == 0
+    assert off.match(list(range(9)), "fp") is None
+
+
+def test_resize_evicts_down_to_the_new_bound():
+    cache = PrefixCache(1 << 20, block_size=4)
+    cache.insert(list(range(16)), *fake_kv(2, 16), "fp")
+    cache.resize(2 * block_bytes())
+    assert cache.stats().blocks == 2 and cache.match(list(range(17)), "fp").token_ids == tuple(range(8))
+    cache.resize(0)
+    assert cache.stats().blocks == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_bytes": -1}, "max_bytes=-1"), ({"max_bytes": 1.5}, "max_bytes=1.5"),
+    ({"max_bytes": 10, "block_size": 0}, "block_size=0"),
+])
+def test_settings_are_validated(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        PrefixCache(**kwargs)
+
+
+# --------------------------------------------------------------------------- blends with a cached prefix
+def prompt(engine):
+    lead = engine.tokenize(LEAD)
+    chunk_ids = [engine.tokenize(c) for c in CHUNKS]
+    question = engine.tokenize(QUESTION)
+    full = lead + [t for c in chunk_ids for t in c] + question
+    return lead, chunk_ids, question, full
+
+
+def rotated(engine, chunk):
+    """A chunk computed behind nothing, as the prefix cache keeps it: keys rotated at positions 0..n-1."""
+    a = engine.adapter
+    n = len(chunk)
+    cos, sin = a.rope_cos_sin(chunk.keys[0][None], torch.arange(n).unsqueeze(0))
+    return [a.apply_rope(k[None], cos, sin) for k in chunk.keys], [v[None] for v in chunk.values]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefix_from_the_cache_blends_bit_for_bit_as_the_same_exact_chunk(arch):
+    """The prefix cache's path is the exact-prefix path: a hit blends exactly as the same K/V passed as
+    an exact cached chunk does, at every ratio, and at 1.0 it is full prefill."""
+    engine = tiny_engine(arch)
+    lead, chunk_ids, question, full_ids = prompt(engine)
+    chunks = engine.prefill_chunks(chunk_ids)
+    lead_chunk = engine.prefill_chunk(lead)
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(lead, *rotated(engine, lead_chunk), engine.fingerprint)
+    hit = cache.match(full_ids, engine.fingerprint)
+    m = len(hit.token_ids)
+    assert 0 < m <= len(lead) and m % 16 == 0
+    from_cache = [hit, FreshSegment(lead[m:]), *map(CachedSegment, chunks), FreshSegment(question)]
+    as_chunk = [CachedSegment(engine.prefill_chunk(lead[:m])), FreshSegment(lead[m:]),
+                *map(CachedSegment, chunks), FreshSegment(question)]
+    n_blendable = sum(map(len, chunk_ids))
+    for ratio in (1.0, 0.15, 0.0):
+        cfg = BlendConfig(recompute_ratio=ratio)
+        a, b = engine.blend(from_cache, config=cfg), engine.blend(as_chunk, config=cfg)
+        assert torch.equal(a.logits, b.logits), ratio
+        assert a.stats.selected_positions == b.stats.selected_positions
+        assert a.stats.exact_tokens == m and a.stats.prefix_tokens == m and b.stats.prefix_tokens == 0
+        assert a.stats.recomputed_tokens == selection_budget(ratio, n_blendable)
+        assert a.stats.cached_tokens == m + n_blendable
+        assert a.stats.exact_kv_tokens == (len(full_ids) if ratio == 1.0 else len(lead))
+        for layer in range(engine.num_layers):
+            assert torch.equal(a.cache.layers[layer].keys, b.cache.layers[layer].keys)
+    exact = engine.blend(from_cache, config=BlendConfig(recompute_ratio=1.0))
+    torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompt_cached_up_to_its_question_computes_only_the_rest(arch):
+    """Turn 2 of a chat: the previous prompt and answer are cached (from full prefill's K/V); only the
+    new message is computed, and the answer is full prefill's."""
+    engine = tiny_engine(arch)
+    _, _, question, full_ids = prompt(engine)
+    full = engine.full_prefill(full_ids)
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(full_ids, [l.keys for l in full.cache.layers], [l.values for l in full.cache.layers],
+                 engine.fingerprint)
+    new_turn = full_ids + question
+    hit = cache.match(new_turn, engine.fingerprint)
+    m = len(hit.token_ids)
+    assert m == len(full_ids) // 16 * 16
+    out = engine.generate([hit, FreshSegment(new_turn[m:])], config=BlendConfig(recompute_ratio=0.15),
+                          max_new_tokens=8)
+    assert out.stats.mode == "prefix_cached" and out.stats.exact_tokens == m == out.stats.prefix_tokens
+    assert out.stats.fresh_tokens == len(new_turn) - m and out.stats.recomputed_tokens == 0
+    assert out.stats.fallback_reason is None
+    reference = engine.model.generate(torch.tensor([new_turn]), max_new_tokens=8, do_sample=False)
+    expected = reference[0, len(new_turn):].tolist()
+    eos = engine.tokenizer.eos_token_id
+    assert out.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
+    torch.testing.assert_close(engine.blend([hit, FreshSegment(new_turn[m:])]).logits,
+                               engine.full_prefill(new_turn).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_few_blendable_tokens_behind_a_cached_prefix_are_computed_fresh_behind_it():
+    engine = tiny_engine("llama")
+    lead, chunk_ids, question, full_ids = prompt(engine)
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(lead, *rotated(engine, engine.prefill_chunk(lead)), engine.fingerprint)
+    hit = cache.match(full_ids, engine.fingerprint)
+    m = len(hit.token_ids)
+    chunk = engine.prefill_chunk(chunk_ids[0])
+    segments = [hit, FreshSegment(lead[m:]), CachedSegment(chunk), FreshSegment(question)]
+    out = engine.blend(segments, config=BlendConfig(min_blend_tokens=len(chunk) + 1))
+    assert out.stats.mode == "prefix_cached" and out.stats.exact_tokens == m and out.stats.cached_tokens == m
+    assert "fewer than min_blend_tokens" in out.stats.fallback_reason
+    torch.testing.assert_close(out.logits, engine.full_prefill(lead + chunk_ids[0] + question).logits,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefix_segment_must_open_the_prompt_and_fit_the_model():
+    engine = tiny_engine("llama")
+    lead, _, question, _ = prompt(engine)
+    kv = torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(*rotated(engine, engine.prefill_chunk(lead[:16])))])
+    with pytest.raises(BlendInputError, match="can only open the prompt"):
+        engine.blend([FreshSegment(question), PrefixSegment(lead[:16], kv), FreshSegment(question)])
+    with pytest.raises(ChunkMismatchError, match="shaped"):
+        engine.blend([PrefixSegment(lead[:16], kv[:, :, :, :8]), FreshSegment(question)])
+    with pytest.raises(ChunkMismatchError, match="another model"):
+        engine.blend([PrefixSegment(lead[:16], kv, "0" * 64), FreshSegment(question)])
+
+
+def test_a_prefix_before_chunks_in_memory_and_in_a_store_keeps_every_chunk_in_its_place():
+    from cacheblend_rag import StoredSegment
+    from cacheblend_rag.store import ChunkCache
+
+    engine = tiny_engine("qwen2")
+    lead, chunk_ids, question, full_ids = prompt(engine)
+    store = ChunkCache(engine)
+    store.warm([chunk_ids[1]], lossless=True)
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(lead, *rotated(engine, engine.prefill_chunk(lead)), engine.fingerprint)
+    hit = cache.match(full_ids, engine.fingerprint)
+    m = len(hit.token_ids)
+    segments = [hit, FreshSegment(lead[m:]), CachedSegment(engine.prefill_chunk(chunk_ids[0])),
+                StoredSegment(chunk_ids[1]), CachedSegment(engine.prefill_chunk(chunk_ids[2])), FreshSegment(question)]
+    out = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0), store=store)
+    assert out.stats.cache_hits == 3 and out.stats.exact_tokens == m
+    torch.testing.assert_close(out.logits, engine.full_prefill(full_ids).logits, atol=1e-5, rtol=1e-5)
+    reused = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0), store=store)
+    in_memory = [hit, FreshSegment(lead[m:]), *(CachedSegment(engine.prefill_chunk(c)) for c in chunk_ids),
+                 FreshSegment(question)]
+    torch.testing.assert_close(reused.logits, engine.blend(in_memory, config=BlendConfig(recompute_ratio=0.0)).logits,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_smollm2_turn_two_from_the_prefix_cache_is_full_prefill(smollm2_engine):
+    """SmolLM2: a chat's second turn opens with the first turn's prompt and answer, kept from the
+    decoding cache; at ratio 1.0 (and at 0.15, nothing being left to blend) the answer is full prefill's,
+    and a hit blends bit for bit as the same K/V passed as an exact chunk."""
+    from cacheblend_rag import ChunkKV
+    from cacheblend_rag.config import GenerationConfig
+    from cacheblend_rag.serving import AnnouncedChunks, BlendService
+    from cacheblend_rag.store import ChunkCache
+
+    engine = smollm2_engine
+    cache = PrefixCache(1 << 28)
+    service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), cache)
+    greedy = GenerationConfig(max_new_tokens=24, temperature=0.0)
+    turn1 = [{"role": "system", "content": LEAD * 3}, {"role": "user", "content": "What is the capital of France?"}]
+    render = lambda m: engine.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    first = service.generate(render(turn1), greedy, BlendConfig(recompute_ratio=1.0))
+    turn2 = render(turn1 + [{"role": "assistant", "content": first.result.text},
+                            {"role": "user", "content": "And what river flows through it?"}])
+    prepared = service.prepare(turn2)
+    hit = prepared.segments[0]
+    assert isinstance(hit, PrefixSegment) and len(hit) >= len(engine.tokenize(render(turn1))) // 16 * 16
+    ids = [t for s in prepared.segments for t in s.token_ids]
+    full = engine.full_prefill(ids)
+    for ratio in (1.0, 0.15):
+        out = engine.blend(prepared.segments, config=BlendConfig(recompute_ratio=ratio))
+        assert out.stats.exact_tokens == len(hit) and out.stats.fresh_tokens == len(ids) - len(hit)
+        torch.testing.assert_close(out.logits, full.logits, atol=2e-4, rtol=1e-4)
+    served = service.generate(turn2, greedy, BlendConfig(recompute_ratio=1.0))
+    reference = engine.generate([FreshSegment(ids)], greedy)
+    assert served.result.token_ids == reference.token_ids
+    # The same K/V as an exact chunk blends bit for bit as the prefix segment does. Keys rotated back
+    # and forward again are not the cache's bits, so both sides are built from the rotated-back chunk.
+    a, m, kv = engine.adapter, len(hit), hit.kv
+    cos, sin = a.rope_cos_sin(kv[0, 0][None], torch.arange(m).unsqueeze(0))
+    raw = [a.apply_rope(kv[layer, 0][None], cos, -sin)[0] for layer in range(kv.shape[0])]
+    chunk = ChunkKV(hit.token_ids, raw, [kv[layer, 1] for layer in range(kv.shape[0])])
+    again = PrefixCache(1 << 28)
+    again.insert(hit.token_ids, [a.apply_rope(k[None], cos, sin) for k in raw], [v[None] for v in chunk.values],
+                 engine.fingerprint)
+    rest = [FreshSegment(ids[m:])]
+    x = engine.blend([again.match(ids, engine.fingerprint), *rest], config=BlendConfig(recompute_ratio=1.0))
+    y = engine.blend([CachedSegment(chunk), *rest], config=BlendConfig(recompute_ratio=1.0))
+    assert torch.equal(x.logits, y.logits)
