@@ -1,0 +1,48 @@
+"""Settings for every test run in this repository: tests/ and each integration package's tests/.
+
+`make test` runs the suite on two pytest-xdist workers, one per core of a 2-core machine (see
+docs/testing.md). Under xdist each worker does its math on one torch thread, and so do the processes
+its tests start (notebook kernels, the fault trial, the README's virtualenv): two workers on two cores,
+not four threads or more fighting for them. The longest tests are sent to the workers first, so that
+they run beside the rest of the suite instead of after it. Run in one process (no ``-n``), nothing
+here changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The longest tests, longest first (a node id or its beginning). Each worker is handed the next one
+# when it is free, so that the longest ones start at once, on different workers, and the many short
+# tests fill in around them.
+LONGEST_FIRST = (
+    "tests/models/test_quality_model.py",  # only where the quality model is fetched; it skips at once elsewhere
+    "tests/test_readme_install.py::test_the_readme_installs_in_a_fresh_virtualenv",
+    "tests/bench/test_fault_trial.py::",
+    "tests/bench/test_smollm2_bench.py::",
+    "tests/examples/test_llamaindex_notebook.py::test_notebook_runs",
+    "tests/examples/test_langchain_notebook.py::test_notebook_runs",
+)
+
+
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def pytest_configure(config) -> None:
+    if _xdist_worker():
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = "1"  # inherited by the processes tests start
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not _xdist_worker():
+        return
+
+    def rank(item) -> int:
+        return next((i for i, start in enumerate(LONGEST_FIRST) if item.nodeid.startswith(start)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: every worker collects the same order, as xdist requires
