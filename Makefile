@@ -13,9 +13,9 @@ INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-inde
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # The suite runs on two pytest-xdist workers, one per core (docs/testing.md); PYTEST_WORKERS=0: one process.
-# Tests that must not run beside each other carry an xdist_group mark, which `--dist loadgroup` keeps on one worker.
+# The root conftest.py hands the workers whole files, the longest first, and keeps GROUPS of files on one worker.
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 .PHONY: install demo test test-fast bench gpu-check quality-model clean redis-server
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-# The longest tests, longest first (a node id or its beginning). Each worker is handed the next one
-# when it is free, so that the longest ones start at once, on different workers, and the many short
-# tests fill in around them.
+# The longest tests, longest first (a node id or its beginning). Their files go first: each worker is
+# handed the next file when it is free, so that the longest ones start at once, on different workers,
+# and the many short files fill in around them.
 LONGEST_FIRST = (
     "tests/models/test_quality_model.py",  # only where the quality model is fetched; it skips at once elsewhere
     "tests/test_readme_install.py::test_the_readme_installs_in_a_fresh_virtualenv",
@@ -24,6 +24,28 @@ LONGEST_FIRST = (
     "tests/examples/test_langchain_notebook.py::test_notebook_runs",
     "tests/bench/test_gpu_check.py::test_every_step_runs_on_tiny_models_on_the_cpu",
 )
+
+
+# Files that must not run beside each other: each group is one unit of work, run by one worker, file
+# after file. (pytest-xdist 3.8's own `xdist_group` mark does nothing under pytest 9.2: it renames a node
+# id attribute pytest no longer reads.)
+GROUPS = {
+    # Both stop a Redis (SIGSTOP) and hold a request's time against a bound.
+    "redis-timing": ("tests/bench/test_fault_trial.py", "tests/store_redis/test_hung_server.py"),
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out whole files (or a group of files): a module's fixtures (a SmolLM2 prompt set, a loaded
+    LLM and its answer) are computed by one worker, once, not by both."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((name for name, files in GROUPS.items() if path in files), path)
+
+    return FileScheduling(config, log)
 
 
 def _xdist_worker() -> bool:

@@ -33,7 +33,6 @@ def _store_faults() -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("redis-timing")  # docs/testing.md: never beside tests/store_redis/test_hung_server.py
 def test_every_fault_but_forgery_without_a_key_is_survived(tmp_path):
     out = tmp_path / "trial.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--chunk-tokens", "32",
