@@ -23,6 +23,7 @@ LONGEST_FIRST = (
     "tests/examples/test_llamaindex_notebook.py::test_notebook_runs",
     "tests/examples/test_langchain_notebook.py::test_notebook_runs",
     "tests/bench/test_gpu_check.py::test_every_step_runs_on_tiny_models_on_the_cpu",
+    "integrations/langchain-cacheblend/tests/integration_tests/test_standard.py::TestChatCacheBlendSmolLM2",
 )
 
 
