@@ -12,6 +12,10 @@ INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-inde
 # Pinned so pip takes the CPU build from this machine's disk; a bare `torch` resolves to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The suite runs on two pytest-xdist workers, one per core (docs/testing.md); PYTEST_WORKERS=0: one process.
+# The root conftest.py hands the workers whole files, the longest first, and keeps GROUPS of files on one worker.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 .PHONY: install demo test test-fast bench gpu-check quality-model clean redis-server
 
@@ -44,11 +48,13 @@ redis-server:
 	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server) >$$log 2>&1 \
 	    || { cat $$log; rm -f $$log; exit 1; }; rm -f $$log; }
 
+# All of it, the slow tests too (CI runs them); one folder or test: make test PYTEST_ARGS=tests/engine
 test: $(STAMP) redis-server
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
+# Without the tests marked slow (real SmolLM2 weights, notebooks, the README install, the fault trial).
 test-fast: $(STAMP) redis-server
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

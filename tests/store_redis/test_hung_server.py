@@ -30,6 +30,8 @@ def _reference(engine, texts):
     return engine.blend([*engine.prefill_chunks(ids), FreshSegment(engine.tokenize(QUESTION))]).logits
 
 
+# Timed against a bound, as the fault trial's hung Redis is: under pytest-xdist the two files run on one
+# worker, one after the other, never beside each other (GROUPS in the root conftest.py, docs/testing.md).
 def test_a_hung_redis_costs_one_bounded_wait_then_is_skipped_until_it_answers(engine, fresh_redis_server,
                                                                                monkeypatch):
     texts = corpus(3)
