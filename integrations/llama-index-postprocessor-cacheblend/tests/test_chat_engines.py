@@ -92,8 +92,8 @@ def engine():
 
 @pytest.fixture
 def llm(engine):
-    # The RAG chat engines put the history after the chunks: only the segment cache (off by default) reuses it.
-    return CacheBlendLLM.from_engine(engine, max_new_tokens=6, segment_cache_bytes="64MB")
+    # The RAG chat engines put the history after the chunks: only the segment cache (on by default) reuses it.
+    return CacheBlendLLM.from_engine(engine, max_new_tokens=6)
 
 
 def retriever(llm: CacheBlendLLM, k: int = 2) -> Any:

@@ -118,8 +118,8 @@ def test_runnable_with_message_history(llm):
 
 
 def test_history_aware_retrieval_chain(engine):
-    # The answer's prompt puts the history after the documents: only the segment cache (off by default) reuses it.
-    llm = ChatCacheBlend(engine=engine, max_tokens=6, segment_cache_bytes="64MB")
+    # The answer's prompt puts the history after the documents: only the segment cache (on by default) reuses it.
+    llm = ChatCacheBlend(engine=engine, max_tokens=6)
     vectorstore = FAISS.from_documents([Document(page_content=t) for t in TEXTS], DeterministicFakeEmbedding(size=32))
     retriever = CacheBlendRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 2}), llm=llm)
     rephrase = ChatPromptTemplate.from_messages([
