@@ -156,6 +156,11 @@ class CacheBlendSettings(BaseModel):
 
     # --- BlendConfig (cacheblend_rag.config.BlendConfig has their full meaning)
     recompute_ratio: float = Field(default=_DEFAULTS.recompute_ratio, description="Share of cached tokens recomputed.")
+    segment_recompute_ratio: Optional[float] = Field(
+        default=_DEFAULTS.segment_recompute_ratio,
+        description="Share of a cached segment's tokens recomputed (spans after the chunks from the segment cache, "
+        "K/V computed behind other passages); None recomputes them under recompute_ratio with the chunks.",
+    )
     check_layer: Optional[int] = Field(
         default=_DEFAULTS.check_layer,
         description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",
