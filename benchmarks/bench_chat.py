@@ -23,8 +23,8 @@ The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engi
 * ``prefix_caching``: the exact prefix cache alone, as vLLM would reuse it (no chunk blending: nothing
   is announced to it, so its LLM warns once per conversation that no chunk text was announced);
 * ``blending``: chunk blending alone, as before the prefix cache (issue 31's "today");
-* ``prefix+blending``: both, with the segment cache on (``--segment-cache-bytes``; the package's
-  default leaves it off): earlier turns after the first chunk are blended like chunks.
+* ``prefix+blending``: both, with the segment cache on (``--segment-cache-bytes``, ``--segment-ratio``; the
+  integrations turn it on by default, 64MB): earlier turns after the first chunk are blended like chunks.
 
 Per turn the methods take turns (their order rotates from turn to turn), one timed ``chat`` call each:
 TTFT is the response's ``ttft_s`` (request start to the first token, as users see it). Before it, an
@@ -138,6 +138,8 @@ class MethodLLMs:
         # The segment cache (earlier turns after the first chunk, blended like chunks) is the blending side
         # of reusing a conversation: prefix caching alone is what vLLM reuses, and has none.
         options["segment_cache_bytes"] = args.segment_cache_bytes if method.prefix_reuse and method.blend_chunks else 0
+        if args.segment_ratio is not None:  # the cached segments' own share (BlendConfig.segment_recompute_ratio)
+            options["segment_recompute_ratio"] = None if args.segment_ratio < 0 else args.segment_ratio
         if method.prefix_reuse and not method.blend_chunks:
             options["chunk_cache"] = self.own_store
         # Prefix caching alone still goes through the chunk-finding path (with nothing announced, it finds
@@ -409,6 +411,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--teacher-tokens", type=int, default=16)
     parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of the blending methods")
+    parser.add_argument("--segment-ratio", type=float, default=None,
+                        help="recompute ratio of cached segments (BlendConfig.segment_recompute_ratio; default the "
+                        "package's; a negative value pools them with the chunks under --ratio)")
     # A 6-turn conversation reaches about 7,000 tokens, past the package's default bound (256MB, about
     # 5,700 SmolLM2 tokens in float32): the bench's bound holds a whole conversation and the system prompt.
     parser.add_argument("--prefix-cache-bytes", default="1GB", help="bound of each prefix method's prefix cache")

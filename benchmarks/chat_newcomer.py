@@ -152,7 +152,8 @@ def run_conversation(chat_engine: CondensePlusContextChatEngine, llm: CacheBlend
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's target as written, and with the prefix cache's partial block allowed."""
+    """The issue's target as written, and with the allowances (the previous answer's tokens no cache
+    holds; a partial block only for a prefix cache that keeps whole blocks, 0 by default)."""
     later = [r for r in rows if r["turn"] > 1]
     return {
         "fresh_at_most_new_message_plus_glue": {
@@ -162,7 +163,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "with_allowances": {
             "description": "the same, plus what no cache can hold: the prefix cache's last partial block "
-                           "(block_size - 1 tokens) and, where the history holds the previous answer as other "
+                           "(block_size - 1 tokens, only for a cache of whole blocks; 0 by default) and, where the history holds the previous answer as other "
                            "tokens than generated (or it ran out of tokens, so its last one was never fed), "
                            "those tokens",
             "per_turn": {r["turn"]: {"partial_block": r["partial_block_allowance"],

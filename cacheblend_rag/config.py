@@ -38,6 +38,15 @@ class BlendConfig:
         Share of the *cached* tokens recomputed from ``check_layer`` on. ``0`` is
         full KV reuse (no layer recomputes a cached token, not even those before
         the check layer); ``1`` recomputes everything and equals full prefill.
+    segment_recompute_ratio:
+        Share of the *cached segments'* tokens recomputed (spans after the chunks that the
+        segment cache holds from an earlier request, ``ChunkKV.approximate``): their budget is
+        ``round(segment_recompute_ratio * segment tokens)``, chosen among them, beside
+        ``round(recompute_ratio * chunk tokens)`` chosen among the chunks. Such a span's K/V was
+        computed behind other passages, so it deviates more than a chunk's. ``None`` pools them
+        with the chunks under ``recompute_ratio``. At ``recompute_ratio`` 1.0 or 0 it is not used
+        (every token recomputed, exact; full reuse). Default 0.35, measured with
+        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations").
     check_layer:
         Layer at which the tokens to recompute are chosen. Layers before it are
         recomputed for every token. ``None`` (default) takes the strategy's own:
@@ -80,6 +89,7 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15
+    segment_recompute_ratio: float | None = 0.35
     check_layer: int | None = None
     deviation: DeviationKind = "value"
     mask: MaskKind = "exact"
@@ -96,6 +106,8 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         _check_range("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
+        if self.segment_recompute_ratio is not None:
+            _check_range("segment_recompute_ratio", self.segment_recompute_ratio, 0.0, 1.0)
         if self.check_layer is not None:
             _check_range("check_layer", self.check_layer, 0, 10_000, integer=True)
         _check_choice("deviation", self.deviation, ("value", "key"))

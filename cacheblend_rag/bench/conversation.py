@@ -53,9 +53,10 @@ def fresh_bound(tokenizer: Any, new_message: str, *, prompt: str = "", chunks: I
                 partial_block: int = 0) -> int:
     """The most fresh tokens a turn after the first should have: the new message, the template's
     glue around it and, in a RAG prompt, the separators between its chunks. ``partial_block``
-    allows that many more: a prefix cache kept in blocks holds no partial block, so up to
-    ``block_size - 1`` tokens of the previous turn's end are computed again (vLLM's too);
-    0 is the issue's bound as written."""
+    allows that many more, for a prefix cache that keeps whole blocks only
+    (``PrefixCache(partial_blocks=False)``, vLLM's granularity): up to ``block_size - 1`` tokens of
+    the previous turn's end are then computed again. The default cache keeps the partial block too,
+    so 0, the issue's bound as written, applies."""
     return (_count(tokenizer, new_message) + turn_glue_tokens(tokenizer)
             + chunk_separator_tokens(tokenizer, prompt, chunks) + partial_block)
 
@@ -74,10 +75,13 @@ def answer_allowance(tokenizer: Any, generated_ids: Sequence[int], history_text:
 
 
 def partial_block_allowance(service: Any) -> int:
-    """``block_size - 1`` of ``service``'s prefix cache (a :class:`~cacheblend_rag.serving.BlendService`),
-    0 without one: what :func:`fresh_bound`'s ``partial_block`` allows for it."""
+    """What :func:`fresh_bound`'s ``partial_block`` allows for ``service``'s prefix cache (a
+    :class:`~cacheblend_rag.serving.BlendService`): ``block_size - 1`` for one that keeps whole
+    blocks only, 0 for one that keeps partial blocks (the default) or none."""
     cache = getattr(service, "prefix_cache", None)
-    return cache.block_size - 1 if cache is not None and cache.enabled else 0
+    if cache is None or not cache.enabled or getattr(cache, "partial_blocks", False):
+        return 0
+    return cache.block_size - 1
 
 
 def turn_record(stats: Mapping[str, Any], tokenizer: Any, new_message: str, *, turn: int,

@@ -63,7 +63,21 @@ class BlendRun:
         self.check_layer = check_layer
         self.model_config = model_config
         self.source = source
-        self.budget = selection_budget(cfg.recompute_ratio, layout.n_cached)
+        # Cached segments (spans after the chunks from the segment cache) get their own share, chosen
+        # among them; the chunks' share is chosen among the chunks. At ratio 0 or 1 there is one pool.
+        self.pools: list[tuple[torch.Tensor, int]] | None = None
+        seg_ratio = cfg.segment_recompute_ratio
+        if seg_ratio is not None and layout.n_segment and 0.0 < cfg.recompute_ratio < 1.0:
+            is_segment = torch.zeros(layout.n_cached, dtype=torch.bool, device=layout.cached_pos.device)
+            for start, end in layout.segment_spans:
+                is_segment[start:end] = True
+            index = torch.arange(layout.n_cached, device=is_segment.device)
+            chunks, segments = index[~is_segment], index[is_segment]
+            self.pools = [(chunks, selection_budget(cfg.recompute_ratio, int(chunks.numel()))),
+                          (segments, selection_budget(seg_ratio, int(segments.numel())))]
+            self.budget = sum(budget for _, budget in self.pools)
+        else:
+            self.budget = selection_budget(cfg.recompute_ratio, layout.n_cached)
         # With nothing to blend (every cached token is an exact prefix), reuse is already exact.
         self.full_reuse = cfg.recompute_ratio == 0.0 or layout.n_cached == 0
         # A budget covering every cached token leaves nothing to choose: no strategy, no profile.
@@ -138,7 +152,7 @@ class BlendRun:
         profile, layout = self.profile, self.layout
         assert profile is not None
         fresh_k, fresh_v = profile.keys[0][0, :, layout.cached_pos], profile.values[0][0, :, layout.cached_pos]
-        self.selected = self.strategy.select(self._context(0, fresh_k, fresh_v))
+        self.selected = self._select(self._context(0, fresh_k, fresh_v))
         if len(profile.keys) == self.a.num_layers:
             # Fresh tokens before the first cached one (the template's lead) see only each other,
             # so the profile computed their K/V exactly in every layer: skip them.
@@ -164,9 +178,36 @@ class BlendRun:
             ctx = self._context(layer, fresh_k, v[0, :, rows])
             if self.profile is None and self.strategy.needs.query_attention:
                 ctx.query_attention = lambda: self._question_attention(layer, key_layer)
-            self.selected = self.strategy.select(ctx)
+            self.selected = self._select(ctx)
         self._restrict(self._active_for(self.selected))
         return key_layer, value_layer
+
+    def _select(self, ctx: SelectionContext) -> torch.Tensor:
+        """The strategy's choice: over every blendable cached token, or pool by pool (chunks, cached
+        segments) with each pool's budget."""
+        if self.pools is None:
+            return self.strategy.select(ctx)
+        picked = []
+        for index, budget in self.pools:
+            if budget >= index.numel():
+                picked.append(index)
+            elif budget > 0:
+                picked.append(index[self.strategy.select(_restricted(ctx, index, budget))])
+        return torch.sort(torch.cat(picked)).values if picked else index[:0]
+
+    def _refine(self, ctx: SelectionContext, current: torch.Tensor) -> torch.Tensor | None:
+        """The strategy's narrowing of ``current`` (``ctx`` holds its tokens), pool by pool when pooled."""
+        if self.pools is None:
+            return self.strategy.refine(ctx, current)
+        kept, changed = [], False
+        for index, budget in self.pools:
+            local = torch.nonzero(torch.isin(current, index)).flatten()  # rows of ``ctx`` in this pool
+            if not local.numel():
+                continue
+            narrowed = self.strategy.refine(_restricted(ctx, local, budget), current[local])
+            changed |= narrowed is not None
+            kept.append(current[local] if narrowed is None else narrowed)
+        return torch.sort(torch.cat(kept)).values if changed else None
 
     def _narrowing(self) -> bool:
         """A gradual strategy still holds more tokens than its budget."""
@@ -188,7 +229,7 @@ class BlendRun:
         value_layer.index_copy_(2, self.active, v)
         if narrowing:
             ctx = self._context(layer, key_layer[0, :, sel_pos], value_layer[0, :, sel_pos], cached)
-            narrowed = self.strategy.refine(ctx, self.selected)
+            narrowed = self._refine(ctx, self.selected)
             if narrowed is not None:
                 self.selected = narrowed
                 self._restrict(self._active_for(narrowed))
@@ -266,3 +307,19 @@ class BlendRun:
             timings=self.timings,
         )
         return BlendResult(logits=logits, cache=cache, input_ids=layout.input_ids, stats=stats)
+
+
+def _restricted(ctx: SelectionContext, index: torch.Tensor, budget: int) -> SelectionContext:
+    """``ctx`` for the cached tokens ``index`` only (sorted), with ``budget``: a pool's own context."""
+    spans = []
+    for start, end in ctx.chunk_spans:
+        lo = int(torch.searchsorted(index, torch.tensor(start, device=index.device)))
+        hi = int(torch.searchsorted(index, torch.tensor(end, device=index.device)))
+        if hi > lo:
+            spans.append((lo, hi))
+    attention = ctx.query_attention
+    return SelectionContext(
+        layer=ctx.layer, budget=budget, fresh_k=ctx.fresh_k[:, index], fresh_v=ctx.fresh_v[:, index],
+        cached_k=ctx.cached_k[:, index], cached_v=ctx.cached_v[:, index], chunk_spans=spans,
+        layers_left=ctx.layers_left, query_attention=None if attention is None else (lambda: attention()[index]),
+    )

@@ -10,7 +10,7 @@ chunks' keys rotated into their places.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -60,6 +60,9 @@ class PromptLayout:
     prompt_spans: list[tuple[int, int]]  # every cached chunk (not the prefix), [start, end) in prompt positions
     chunk_spans: list[tuple[int, int]]  # blendable chunks, [start, end) among the blendable cached tokens
     question_len: int  # tokens of the last fresh segment
+    # Those of ``chunk_spans`` that are cached segments (``ChunkKV.approximate``: a span after the chunks
+    # from the segment cache), which ``BlendConfig.segment_recompute_ratio`` budgets apart.
+    segment_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, segs: Sequence[Segment], device: torch.device, lossless: Sequence[bool] | None = None
@@ -71,6 +74,7 @@ class PromptLayout:
         positions = torch.arange(n, device=device)
         cached_mask = torch.zeros(n, dtype=torch.bool, device=device)
         chunk_spans: list[tuple[int, int]] = []
+        segment_spans: list[tuple[int, int]] = []
         prompt_spans: list[tuple[int, int]] = []
         offset = cached_offset = 0
         for s in segs:
@@ -79,6 +83,8 @@ class PromptLayout:
                 cached_mask[offset : offset + length] = True
                 if offset >= exact_end:
                     chunk_spans.append((cached_offset, cached_offset + length))
+                    if isinstance(s, CachedSegment) and s.chunk.approximate:
+                        segment_spans.append((cached_offset, cached_offset + length))
                     cached_offset += length
                 if not isinstance(s, PrefixSegment):
                     prompt_spans.append((offset, offset + length))
@@ -89,7 +95,7 @@ class PromptLayout:
             fresh_pos=positions[~cached_mask], all_cached_pos=all_cached_pos, cached_pos=all_cached_pos[exact_end:],
             exact_end=exact_end, prefix=segs[0] if isinstance(segs[0], PrefixSegment) else None,
             prompt_spans=prompt_spans, chunk_spans=chunk_spans,
-            question_len=len(segs[-1].token_ids),
+            question_len=len(segs[-1].token_ids), segment_spans=segment_spans,
         )
 
     @property
@@ -100,6 +106,11 @@ class PromptLayout:
     def n_cached(self) -> int:
         """Blendable cached tokens (the exact prefix is not counted)."""
         return int(self.cached_pos.numel())
+
+    @property
+    def n_segment(self) -> int:
+        """Blendable cached tokens of cached segments (:attr:`segment_spans`)."""
+        return sum(end - start for start, end in self.segment_spans)
 
     @property
     def prefix_len(self) -> int:

@@ -5,14 +5,22 @@ lead, a system prompt, the instructions before the context, and in a conversatio
 previous prompt and answer. The K/V full prefill computes for those tokens depends on nothing
 after them, so it can be reused as is, as vLLM's prefix cache and SGLang's radix tree do.
 
-* **Blocks.** A prompt's tokens are cut into blocks of ``block_size``; only full blocks are
-  kept. A block's key is a chain hash: SHA-256 of the model fingerprint, an optional salt, the
+* **Blocks.** A prompt's tokens are cut into blocks of ``block_size``. A block's key is a chain hash: SHA-256 of the model fingerprint, an optional salt, the
   parent block's key and the block's token ids. So a key names the whole prefix up to the
   block's end under one model, prompts that share a lead share its blocks, and two tenants
   whose texts differ anywhere before a block never share it. SHA-256 and not a fast hash: a
   hash an attacker can collide would let one tenant's prompt read another's K/V (vLLM moved
   its prefix-cache keys to SHA-256 for that reason). ``salt`` (vLLM's ``cache_salt``) keeps
   tenants apart even where their texts agree.
+* **Partial blocks.** The tokens after the last full block of what is inserted are kept too, as a
+  *partial block* keyed by its parent's key and its exact ids (a separate domain in the hash, so it
+  never names a full block), so a prefix is reused to the token, as SGLang's radix tree does, and
+  not only to the last multiple of ``block_size`` as vLLM's. A match takes, after the full blocks
+  whose keys it finds, the longest run of tokens that a block held after the last of them (full or
+  partial) shares with the rest of the prompt (within ``max_tokens``): causal K/V of a block's
+  first ``j`` tokens is theirs whatever follows. A partial block is always a leaf; inserting the same prefix extended to
+  a full block (or to a longer partial one) supersedes it. Partial blocks stay in memory: the
+  backing store holds full blocks only (a replica then recomputes at most ``block_size - 1``).
 * **Values.** One tensor per block, ``[layers, 2, kv_heads, block_size, head_dim]``: keys
   *rotated* (a prefix never moves, and the decoding cache holds them so; rotating them back to
   store them unrotated would round) and values.
@@ -46,20 +54,42 @@ from cacheblend_rag.engine.segments import PrefixSegment
 from cacheblend_rag.errors import ConfigError
 
 _DOMAIN = b"cacheblend-rag/prefix-block\x00"
+_PARTIAL = b"cacheblend-rag/partial-block\x00"
 DEFAULT_BLOCK_SIZE = 16
+
+
+def root_key(fingerprint: str, salt: str = "") -> str:
+    """The key the first block of a chain names as its parent (hex SHA-256; no block has it)."""
+    if not fingerprint:
+        raise ValueError("fingerprint is empty; pass engine.fingerprint")
+    return hashlib.sha256(_DOMAIN + _framed(fingerprint.encode()) + _framed(salt.encode())).hexdigest()
+
+
+def partial_key(parent: str, token_ids: Sequence[int]) -> str:
+    """The key of a partial block: fewer than ``block_size`` ``token_ids`` after the block ``parent``
+    (a :func:`block_keys` key, or :func:`root_key` for a prompt shorter than one block)."""
+    ids = np.asarray(list(token_ids), dtype="<i8")
+    return hashlib.sha256(_PARTIAL + bytes.fromhex(parent) + _framed(ids.tobytes())).hexdigest()
 
 
 def block_keys(fingerprint: str, token_ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:
     """The chain keys of every full block of ``token_ids``, in order (hex SHA-256)."""
-    if not fingerprint:
-        raise ValueError("fingerprint is empty; pass engine.fingerprint")
     ids = np.asarray(list(token_ids), dtype="<i8")
-    parent = hashlib.sha256(_DOMAIN + _framed(fingerprint.encode()) + _framed(salt.encode())).digest()
+    parent = bytes.fromhex(root_key(fingerprint, salt))
     keys = []
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hashlib.sha256(parent + ids[start : start + block_size].tobytes()).digest()
         keys.append(parent.hex())
     return keys
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _framed(data: bytes) -> bytes:
@@ -84,7 +114,8 @@ class PrefixCacheStats:
     """What the cache holds and how it served: ``hits``/``misses`` count lookups that found at least
     one block or none, ``hit_tokens`` the tokens they reused of the ``queried_tokens`` they could
     have (vLLM's prefix-cache hit rate is their ratio); ``store_blocks`` the blocks read from the
-    backing store."""
+    backing store; ``partial_blocks`` those of ``blocks`` that are partial, ``partial_hits`` the
+    lookups that ended in part of a block."""
 
     blocks: int = 0
     bytes: int = 0
@@ -95,6 +126,8 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     queried_tokens: int = 0
     inserted_blocks: int = 0
+    partial_blocks: int = 0
+    partial_hits: int = 0
     evictions: int = 0
     store_blocks: int = 0
 
@@ -103,20 +136,23 @@ class PrefixCacheStats:
 
 
 class _Block:
-    __slots__ = ("kv", "parent", "children", "nbytes")
+    __slots__ = ("kv", "parent", "children", "nbytes", "ids", "under")
 
-    def __init__(self, kv: torch.Tensor, parent: str | None) -> None:
+    def __init__(self, kv: torch.Tensor, parent: str | None, ids: tuple[int, ...] | None = None,
+                 under: str | None = None) -> None:
         self.kv = kv
-        self.parent = parent
+        self.parent = parent  # the parent block's key (None for the first block of a chain)
         self.children = 0
         self.nbytes = kv.numel() * kv.element_size()
+        self.ids = ids  # the block's token ids (fewer than block_size: a partial block)
+        self.under = under  # the parent block's key, or the chain's root key for a first block
 
 
 class PrefixCache:
     """Block-keyed K/V of prompt prefixes for one model, bounded by ``max_bytes`` (see the module)."""
 
     def __init__(self, max_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                 backing: PrefixBlockStore | None = None) -> None:
+                 backing: PrefixBlockStore | None = None, partial_blocks: bool = True) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"max_bytes={max_bytes!r} must be a number of bytes >= 0 (0 disables the prefix cache)")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 4096:
@@ -124,6 +160,8 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_size = block_size
         self.backing = backing
+        self.partial_blocks = partial_blocks  # False: whole blocks only, as vLLM's prefix cache
+        self._kids: dict[str, set[str]] = {}  # parent (or root) key -> keys of the blocks after it
         self._blocks: OrderedDict[str, _Block] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -142,12 +180,14 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None,
               salt: str = "") -> PrefixSegment | None:
-        """The longest cached block-aligned prefix of ``token_ids`` of at most ``max_tokens`` tokens
-        (default: all but the last, which a blend must compute), as a segment; ``None`` if no block."""
+        """The longest cached prefix of ``token_ids`` of at most ``max_tokens`` tokens (default: all but
+        the last, which a blend must compute), as a segment: full blocks, then the longest run of
+        tokens a block after them shares with the rest; ``None`` if none."""
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
-        if not self.enabled or limit < self.block_size:
+        if not self.enabled or limit < 1 or (limit < self.block_size and not self.partial_blocks):
             return None
-        keys = block_keys(fingerprint, list(token_ids)[:limit], self.block_size, salt)
+        ids = list(token_ids)
+        keys = block_keys(fingerprint, ids[:limit], self.block_size, salt)
         with self._lock:
             found = []
             for key in keys:
@@ -161,27 +201,54 @@ class PrefixCache:
         if len(found) < len(keys) and self.backing is not None:
             loaded = self.backing.load_blocks(keys[len(found):], self.block_size)
             if loaded:
-                self._admit(keys[: len(found) + len(loaded)], len(found), loaded)
+                self._admit(keys[: len(found) + len(loaded)], len(found), loaded, ids, root_key(fingerprint, salt))
                 parts.extend(loaded)
                 with self._lock:
                     self._counts.store_blocks += len(loaded)
+        n = len(parts) * self.block_size
+        if self.partial_blocks and n < limit:  # where the full blocks end, however far they reach
+            under = keys[len(parts) - 1] if parts else root_key(fingerprint, salt)
+            partial = self._match_partial(under, ids[n:limit])
+            if partial is not None:
+                parts.append(partial)
+                n += partial.shape[3]
+                with self._lock:
+                    self._counts.partial_hits += 1
         with self._lock:
             self._counts.queried_tokens += limit
             if parts:
                 self._counts.hits += 1
-                self._counts.hit_tokens += len(parts) * self.block_size
+                self._counts.hit_tokens += n
             else:
                 self._counts.misses += 1
         if not parts:
             return None
-        n = len(parts) * self.block_size
         kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-        return PrefixSegment(list(token_ids)[:n], kv, fingerprint)
+        return PrefixSegment(ids[:n], kv, fingerprint)
+
+    def _match_partial(self, under: str, rest: Sequence[int]) -> torch.Tensor | None:
+        """The K/V of the longest run of tokens that opens ``rest`` and a block held after ``under``
+        (full or partial; the block is touched), ``None`` if no block after it opens with ``rest[0]``."""
+        rest = tuple(rest)
+        with self._lock:
+            best, most = None, 0
+            for key in self._kids.get(under, ()):
+                ids = self._blocks[key].ids
+                assert ids is not None
+                j = _common(ids, rest)
+                if j > most:
+                    best, most = key, j
+            if best is None:
+                return None
+            self._blocks.move_to_end(best)
+            kv = self._blocks[best].kv
+            return kv if most == kv.shape[3] else kv[:, :, :, :most]
 
     # ------------------------------------------------------------------ inserts
     def insert(self, token_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                fingerprint: str, *, salt: str = "") -> int:
-        """Keep the full blocks of ``token_ids`` whose K/V is not cached yet; returns how many were added.
+        """Keep the blocks of ``token_ids`` whose K/V is not cached yet, the last partial one too (unless
+        ``partial_blocks`` is off); returns how many were added (a partial block counts as one).
 
         ``keys[l]`` (rotated) and ``values[l]`` are layer ``l``'s ``[1, kv_heads, n, head_dim]`` with
         ``n >= len(token_ids)`` (a decoding cache, a blend's cache): they must be what full prefill
@@ -189,26 +256,89 @@ class PrefixCache:
         buffers."""
         if not self.enabled or not keys:
             return 0
-        chain = block_keys(fingerprint, token_ids, self.block_size, salt)
+        ids = list(token_ids)
+        chain = block_keys(fingerprint, ids, self.block_size, salt)
+        root = root_key(fingerprint, salt)
         with self._lock:
             have = 0
             while have < len(chain) and chain[have] in self._blocks:
                 have += 1
-        if have == len(chain):
-            return 0
         B = self.block_size
-        new = [torch.stack([torch.stack([k[0, :, i * B : (i + 1) * B], v[0, :, i * B : (i + 1) * B]])
-                            for k, v in zip(keys, values)]) for i in range(have, len(chain))]
-        added = self._admit(chain, have, new)
-        if self.backing is not None:
-            ids = list(token_ids)
-            for i, kv in zip(range(have, have + added), new):
-                self.backing.save_block(chain[i], ids[i * B : (i + 1) * B], kv)
+        added = 0
+        if have < len(chain):
+            new = [torch.stack([torch.stack([k[0, :, i * B : (i + 1) * B], v[0, :, i * B : (i + 1) * B]])
+                                for k, v in zip(keys, values)]) for i in range(have, len(chain))]
+            added = self._admit(chain, have, new, ids, root)
+            with self._lock:  # a full block supersedes the partial blocks after its parent that it extends
+                for i in range(have, have + added):
+                    self._drop_partials_locked(chain[i - 1] if i else root, ids[i * B : (i + 1) * B])
+            if self.backing is not None:
+                for i, kv in zip(range(have, have + added), new):
+                    self.backing.save_block(chain[i], ids[i * B : (i + 1) * B], kv)
+            if have + added < len(chain):
+                return added  # the bound stopped the chain: no partial block after a missing one
+        start = len(chain) * B
+        if self.partial_blocks and start < len(ids):
+            tail = ids[start:]
+            kv = torch.stack([torch.stack([k[0, :, start : len(ids)], v[0, :, start : len(ids)]])
+                              for k, v in zip(keys, values)])
+            added += self._admit_partial(chain[-1] if chain else None, chain[-1] if chain else root, tail, kv,
+                                         set(chain))
         return added
 
-    def _admit(self, chain: Sequence[str], start: int, blocks: Sequence[torch.Tensor]) -> int:
-        """Add ``blocks`` as ``chain[start:]`` (their parents ``chain[:start]`` are held); stops where
-        the bound leaves no room, so what is held stays a chain."""
+    def _admit_partial(self, parent: str | None, under: str, tail: Sequence[int], kv: torch.Tensor,
+                       protected: set[str]) -> int:
+        """Keep ``tail`` (fewer than a block of ids after ``under``) as a partial block, unless one held
+        there already covers it; those it extends are dropped. 1 if kept."""
+        tail = tuple(tail)
+        with self._lock:
+            if parent is not None and parent not in self._blocks:
+                return 0
+            for key in self._kids.get(under, ()):
+                held = self._blocks[key].ids
+                assert held is not None
+                if len(held) >= len(tail) and held[: len(tail)] == tail:
+                    return 0  # the same tokens, or more, are held (a full block, a longer partial one)
+            self._drop_partials_locked(under, tail)
+            block = _Block(kv, parent, tail, under)  # kv is a new tensor (stacked)
+            if not self._make_room(block.nbytes, protected):
+                return 0
+            key = partial_key(under, tail)
+            self._blocks[key] = block
+            self._bytes += block.nbytes
+            self._kids.setdefault(under, set()).add(key)
+            if parent is not None:
+                self._blocks[parent].children += 1
+            return 1
+
+    def _drop_partials_locked(self, under: str, ids: Sequence[int]) -> None:
+        """Drop the partial blocks after ``under`` whose ids open ``ids`` (a longer block supersedes them)."""
+        ids = tuple(ids)
+        for key in list(self._kids.get(under, ())):
+            held = self._blocks[key].ids
+            assert held is not None
+            if len(held) < min(len(ids), self.block_size) and ids[: len(held)] == held:
+                self._remove_locked(key)
+
+    def _remove_locked(self, key: str) -> _Block:
+        block = self._blocks.pop(key)
+        self._bytes -= block.nbytes
+        if block.parent is not None and block.parent in self._blocks:
+            self._blocks[block.parent].children -= 1
+        if block.under is not None:
+            held = self._kids.get(block.under)
+            if held is not None:
+                held.discard(key)
+                if not held:
+                    del self._kids[block.under]
+        return block
+
+    def _admit(self, chain: Sequence[str], start: int, blocks: Sequence[torch.Tensor], ids: Sequence[int],
+               root: str) -> int:
+        """Add ``blocks`` as ``chain[start:]`` (their parents ``chain[:start]`` are held; ``ids`` the
+        chain's tokens, ``root`` its root key); stops where the bound leaves no room, so what is held
+        stays a chain."""
+        B = self.block_size
         added = 0
         with self._lock:
             protected = set(chain[: start + len(blocks)])
@@ -220,11 +350,13 @@ class PrefixCache:
                     continue
                 if parent is not None and parent not in self._blocks:
                     break  # its parent was evicted meanwhile: the rest cannot be reached
-                block = _Block(kv, parent)
+                under = parent if parent is not None else root
+                block = _Block(kv, parent, tuple(ids[index * B : (index + 1) * B]), under)
                 if not self._make_room(block.nbytes, protected):
                     break
                 self._blocks[key] = block
                 self._bytes += block.nbytes
+                self._kids.setdefault(under, set()).add(key)
                 if parent is not None:
                     self._blocks[parent].children += 1
                 self._counts.inserted_blocks += 1
@@ -239,10 +371,7 @@ class PrefixCache:
             victim = next((k for k, b in self._blocks.items() if b.children == 0 and k not in protected), None)
             if victim is None:
                 return False
-            block = self._blocks.pop(victim)
-            self._bytes -= block.nbytes
-            if block.parent is not None and block.parent in self._blocks:
-                self._blocks[block.parent].children -= 1
+            self._remove_locked(victim)
             self._counts.evictions += 1
         return True
 
@@ -264,12 +393,14 @@ class PrefixCache:
     def _drop_all_locked(self) -> None:
         self._counts.evictions += len(self._blocks)
         self._blocks.clear()
+        self._kids.clear()
         self._bytes = 0
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
             out = PrefixCacheStats(**asdict(self._counts))
             out.blocks, out.bytes = len(self._blocks), self._bytes
+            out.partial_blocks = sum(1 for b in self._blocks.values() if b.ids is not None and len(b.ids) < self.block_size)
         return out
 
     def __len__(self) -> int:

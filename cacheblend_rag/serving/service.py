@@ -76,7 +76,8 @@ class Served:
             stats.update(prefix_cache_blocks=held.blocks, prefix_cache_bytes=held.bytes,
                          prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
                          prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
-                         prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions)
+                         prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions,
+                         prefix_cache_partial_blocks=held.partial_blocks)
         stats["segment_tokens"] = self.prompt.segment_tokens
         if self.prompt.segment_hits and stats["mode"] != "full_prefill":
             stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)

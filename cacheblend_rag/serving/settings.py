@@ -43,10 +43,14 @@ _DEFAULTS = BlendConfig()
 # 256 MiB holds about 5,700 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): the leads and
 # recent conversations of a small server. Larger models want more.
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
-# Off by default: a repeated span's K/V comes from whichever request computed it last, so an answer
-# depends on the requests before it (serial and concurrent runs of the same prompts differ), and
-# docs/design.md ("The segment cache") has what it buys.
-DEFAULT_SEGMENT_CACHE_BYTES = 0
+# On by default, so RAG chat engines (history after the context) reuse earlier turns without user
+# code. 64 MiB holds about 1,400 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): a few
+# conversations' system prompt and recent turns, a quarter of the prefix cache's bound, whose exact
+# K/V serves more requests. The price: a repeated span's K/V comes from whichever request computed
+# it last, so an answer depends on the requests before it (serial and concurrent runs of the same
+# prompts may differ slightly, still blended); 0 gives order-independent answers. docs/design.md,
+# "The segment cache", has what it buys.
+DEFAULT_SEGMENT_CACHE_BYTES = 64 * 1024 * 1024
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 # Setting any of these leaves the setting to the user: a saved calibration is then not used.
@@ -139,8 +143,9 @@ class CacheBlendSettings(BaseModel):
         default=DEFAULT_SEGMENT_CACHE_BYTES,
         description="Bound on the segment cache, in bytes or with a unit: the K/V of recent prompt spans after the "
         "chunks (an app's system prompt after the context, earlier turns of a chat), blended like a chunk when a "
-        "later prompt repeats them, e.g. '64MB'. 0 (the default) disables it: answers then never depend on the "
-        "requests before them.",
+        "later prompt repeats them; default 64MB. With it on, a span's K/V comes from an earlier request, so the "
+        "same prompt may get a slightly different (still blended) answer depending on what was cached before; "
+        "0 disables it: answers then never depend on the requests before them.",
     )
     prefix_cache_in_store: bool = Field(
         default=False,
@@ -151,6 +156,11 @@ class CacheBlendSettings(BaseModel):
 
     # --- BlendConfig (cacheblend_rag.config.BlendConfig has their full meaning)
     recompute_ratio: float = Field(default=_DEFAULTS.recompute_ratio, description="Share of cached tokens recomputed.")
+    segment_recompute_ratio: Optional[float] = Field(
+        default=_DEFAULTS.segment_recompute_ratio,
+        description="Share of a cached segment's tokens recomputed (spans after the chunks from the segment cache, "
+        "K/V computed behind other passages); None recomputes them under recompute_ratio with the chunks.",
+    )
     check_layer: Optional[int] = Field(
         default=_DEFAULTS.check_layer,
         description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",

@@ -102,9 +102,10 @@ def test_bench_chat_refuses_a_conversation_past_the_context(musique, monkeypatch
 def newcomer(model: str, embedding: str, tmp_path: Path, capsys, max_new_tokens: int) -> dict:
     chat = script("chat_newcomer")
     plot = tmp_path / "newcomer.png"
-    # The history follows the chunks in this chat engine's prompt: only the segment cache reuses it.
+    # The history follows the chunks in this chat engine's prompt: only the segment cache (on by
+    # default) reuses it.
     assert chat.main(["--model", model, "--embedding", embedding, "--max-new-tokens", str(max_new_tokens),
-                      "--segment-cache-bytes", "256MB", "--no-progress", "--plot", str(plot)]) == 0
+                      "--no-progress", "--plot", str(plot)]) == 0
     document = json.loads(capsys.readouterr().out)
     assert plot.stat().st_size > 0
     rows = document["turns"]
@@ -112,6 +113,7 @@ def newcomer(model: str, embedding: str, tmp_path: Path, capsys, max_new_tokens:
     for row in rows:
         assert row["chunks_found"] == 4 and row["new_message_tokens"] > 0
         assert row["reused_tokens"] + row["recomputed_tokens"] + row["fresh_tokens"] == row["prompt_tokens"]
+        assert row.get("partial_block_allowance", 0) == 0  # the prefix cache keeps partial blocks
     return document
 
 

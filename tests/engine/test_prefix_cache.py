@@ -48,7 +48,8 @@ def test_block_keys_chain_the_prefix_the_model_and_the_salt():
 
 
 def test_match_returns_the_longest_cached_block_aligned_prefix_and_keeps_the_last_token_fresh():
-    cache = PrefixCache(1 << 20, block_size=4)
+    """Whole blocks only (``partial_blocks=False``, vLLM's granularity)."""
+    cache = PrefixCache(1 << 20, block_size=4, partial_blocks=False)
     ids = list(range(10, 24))  # 14 tokens: 3 full blocks
     keys, values = fake_kv(2, 14)
     assert cache.insert(ids, keys, values, "fp") == 3
@@ -65,6 +66,75 @@ def test_match_returns_the_longest_cached_block_aligned_prefix_and_keeps_the_las
     assert (stats.blocks, stats.hits, stats.misses, stats.hit_tokens) == (3, 3, 1, 12 + 8 + 4)
     assert stats.bytes == 3 * block_bytes()
     assert stats.queried_tokens == 16 + 11 + 13 + 13 and cache.hit_rate == 24 / 53
+
+
+def test_match_reaches_to_the_token_with_partial_blocks():
+    """The default: the tokens after the last full block are kept as a partial block, and a match goes
+    on into any block after its full ones as far as the prompt agrees with it."""
+    cache = PrefixCache(1 << 20, block_size=4)
+    ids = list(range(10, 24))  # 14 tokens: 3 full blocks and a partial one of 2
+    keys, values = fake_kv(2, 14)
+    assert cache.insert(ids, keys, values, "fp") == 4
+    assert cache.insert(ids, keys, values, "fp") == 0  # already held
+    hit = cache.match(ids + [1, 2, 3], "fp")
+    assert isinstance(hit, PrefixSegment) and hit.token_ids == tuple(ids)
+    assert hit.kv.shape == (2, 2, 2, 14, 8)
+    assert torch.equal(hit.kv[1, 0], keys[1][0, :, :14]) and torch.equal(hit.kv[0, 1], values[0][0, :, :14])
+    # The prompt is the first 12: its last token is held back, and 3 of block 3's tokens still serve.
+    assert cache.match(ids[:12], "fp").token_ids == tuple(ids[:11])
+    assert cache.match(ids[:5] + [0] * 9, "fp").token_ids == tuple(ids[:5])  # diverges inside block 2
+    assert cache.match(ids[:13] + [0], "fp").token_ids == tuple(ids[:13])  # inside the partial block
+    assert cache.match([0] + ids[1:], "fp") is None  # diverges at the first token
+    stats = cache.stats()
+    assert (stats.blocks, stats.partial_blocks, stats.hits, stats.misses) == (4, 1, 4, 1)
+    assert stats.hit_tokens == 14 + 11 + 5 + 13 and stats.partial_hits == 4
+    assert stats.bytes == 3 * block_bytes() + block_bytes() // 2
+
+
+def test_a_prompt_shorter_than_a_block_is_kept_and_a_longer_insert_supersedes_its_partial_block():
+    cache = PrefixCache(1 << 20, block_size=4)
+    keys, values = fake_kv(2, 10)
+    assert cache.insert([1, 2], [k[:, :, :2] for k in keys], [v[:, :, :2] for v in values], "fp") == 1
+    assert cache.match([1, 2, 9], "fp").token_ids == (1, 2)
+    assert cache.match([1, 2, 9], "fp", salt="other") is None and cache.match([1, 2, 9], "fp2") is None
+    # The same prefix grown to 3 tokens: the partial block of 2 is superseded by one of 3.
+    assert cache.insert([1, 2, 3], keys, values, "fp") == 1
+    assert (cache.stats().blocks, cache.stats().partial_blocks) == (1, 1)
+    # ... and to a full block and one more token: a full block and a partial one of 1 remain.
+    assert cache.insert([1, 2, 3, 4, 5], keys, values, "fp") == 2
+    assert (cache.stats().blocks, cache.stats().partial_blocks) == (2, 1)
+    assert cache.stats().bytes == block_bytes() + block_bytes() // 4
+    hit = cache.match([1, 2, 3, 4, 5, 6], "fp")
+    assert hit.token_ids == (1, 2, 3, 4, 5)
+    assert torch.equal(hit.kv[0, 0], keys[0][0, :, :5]) and torch.equal(hit.kv[1, 1], values[1][0, :, :5])
+    # A shorter insert of what is held adds nothing; a diverging partial block lives beside the first.
+    assert cache.insert([1, 2, 3, 4, 5], keys, values, "fp") == 0
+    assert cache.insert([1, 2, 3], keys, values, "fp") == 0
+    assert cache.insert([1, 2, 3, 4, 7, 8], keys, values, "fp") == 1
+    assert cache.stats().partial_blocks == 2
+    assert cache.match([1, 2, 3, 4, 7, 8, 0], "fp").token_ids == (1, 2, 3, 4, 7, 8)
+    assert cache.match([1, 2, 3, 4, 5, 0], "fp").token_ids == (1, 2, 3, 4, 5)
+
+
+def test_partial_blocks_are_leaves_evicted_least_recently_used_first():
+    one = block_bytes()
+    cache = PrefixCache(2 * one + one // 2, block_size=4)  # one full block and up to three partial ones of 2
+    keys, values = fake_kv(2, 6)
+    lead = [1, 2, 3, 4]
+    cache.insert(lead + [5, 6], keys, values, "fp")
+    cache.insert(lead + [7, 8], keys, values, "fp")
+    cache.insert(lead + [9, 10], keys, values, "fp")
+    assert (cache.stats().blocks, cache.stats().partial_blocks, cache.stats().evictions) == (4, 3, 0)
+    assert cache.match(lead + [5, 6, 0], "fp").token_ids == (1, 2, 3, 4, 5, 6)  # now the most recent
+    cache.insert(lead + [11, 12], keys, values, "fp")  # no room: the least recent leaf goes, not the lead
+    stats = cache.stats()
+    assert (stats.blocks, stats.partial_blocks, stats.evictions) == (4, 3, 1)
+    assert cache.match(lead + [7, 8, 0], "fp").token_ids == tuple(lead)  # evicted: the full block stays
+    for tail in ([5, 6], [9, 10], [11, 12]):
+        assert cache.match(lead + tail + [0], "fp").token_ids == tuple(lead + tail)
+    cache.resize(one)  # only the full block fits: every partial block goes, its parent stays
+    assert (cache.stats().blocks, cache.stats().partial_blocks) == (1, 0)
+    assert cache.match(lead + [5, 6, 0], "fp").token_ids == tuple(lead)
 
 
 def test_inserted_blocks_are_copies_not_views_of_the_callers_buffer():
@@ -84,12 +154,12 @@ def test_other_models_tenants_and_texts_never_share_blocks():
     assert cache.match(ids, "model-a", salt="tenant-2") is None
     assert cache.match(ids, "model-a") is None
     assert cache.match([5] + ids[1:], "model-a", salt="tenant-1") is None
-    assert len(cache.match(ids, "model-a", salt="tenant-1").token_ids) == 8
+    assert len(cache.match(ids, "model-a", salt="tenant-1").token_ids) == 11  # all but the last, to the token
 
 
 def test_the_byte_bound_evicts_least_recently_used_leaves_so_chains_stay_prefixes():
     one = block_bytes()
-    cache = PrefixCache(5 * one, block_size=4)
+    cache = PrefixCache(5 * one, block_size=4, partial_blocks=False)  # whole blocks: the test counts them
     lead = list(range(8))
     first, second = lead + [100, 101, 102, 103], lead + [200, 201, 202, 203]
     cache.insert(first + [0], *fake_kv(2, 13, seed=1), "fp")  # lead (2 blocks) + 1
@@ -160,10 +230,9 @@ def test_a_prefix_from_the_cache_blends_bit_for_bit_as_the_same_exact_chunk(arch
     cache.insert(lead, *rotated(engine, lead_chunk), engine.fingerprint)
     hit = cache.match(full_ids, engine.fingerprint)
     m = len(hit.token_ids)
-    assert 0 < m <= len(lead) and m % 16 == 0
-    from_cache = [hit, FreshSegment(lead[m:]), *map(CachedSegment, chunks), FreshSegment(question)]
-    as_chunk = [CachedSegment(engine.prefill_chunk(lead[:m])), FreshSegment(lead[m:]),
-                *map(CachedSegment, chunks), FreshSegment(question)]
+    assert m == len(lead)  # to the token: the lead's last, partial block too
+    from_cache = [hit, *map(CachedSegment, chunks), FreshSegment(question)]
+    as_chunk = [CachedSegment(engine.prefill_chunk(lead[:m])), *map(CachedSegment, chunks), FreshSegment(question)]
     n_blendable = sum(map(len, chunk_ids))
     for ratio in (1.0, 0.15, 0.0):
         cfg = BlendConfig(recompute_ratio=ratio)
@@ -193,7 +262,7 @@ def test_a_prompt_cached_up_to_its_question_computes_only_the_rest(arch):
     new_turn = full_ids + question
     hit = cache.match(new_turn, engine.fingerprint)
     m = len(hit.token_ids)
-    assert m == len(full_ids) // 16 * 16
+    assert m == len(full_ids)
     out = engine.generate([hit, FreshSegment(new_turn[m:])], config=BlendConfig(recompute_ratio=0.15),
                           max_new_tokens=8)
     assert out.stats.mode == "prefix_cached" and out.stats.exact_tokens == m == out.stats.prefix_tokens

@@ -92,8 +92,8 @@ def engine():
 
 @pytest.fixture
 def llm(engine):
-    # The RAG chat engines put the history after the chunks: only the segment cache (off by default) reuses it.
-    return CacheBlendLLM.from_engine(engine, max_new_tokens=6, segment_cache_bytes="64MB")
+    # The RAG chat engines put the history after the chunks: only the segment cache (on by default) reuses it.
+    return CacheBlendLLM.from_engine(engine, max_new_tokens=6)
 
 
 def retriever(llm: CacheBlendLLM, k: int = 2) -> Any:
@@ -146,7 +146,7 @@ def test_later_turns_compute_only_the_new_message_fresh(llm, build: Callable[[Ca
         if build is not simple:
             assert stats["chunks_found"] == 2, stats
         if turn > 1:
-            # The prefix cache keeps whole blocks: the previous turn's last partial one is computed again.
+            # The bound (the prefix cache keeps partial blocks), plus the previous answer's allowance.
             bound = fresh_bound(tokenizer, message, prompt=llm.last_prompt, chunks=llm.service.announced.latest(),
                                 partial_block=partial_block_allowance(llm.service)) + previous
             assert stats["fresh_tokens"] <= bound, (turn, stats["fresh_tokens"], bound, stats)
