@@ -51,7 +51,7 @@ redis-server:
 
 # All of it, the slow tests too (CI runs them); one folder or test: make test PYTEST_ARGS=tests/engine
 test: $(STAMP) redis-server
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Without the tests marked slow (real SmolLM2 weights, notebooks, the README install, the fault trial).
 test-fast: $(STAMP) redis-server

@@ -152,8 +152,11 @@ print(f"answers containing the expected phrase: CacheBlend "
       f"{sum(r[0].answer.lower() in r[1].lower() for r in rows)}/{len(rows)}, full prefill "
       f"{sum(r[0].answer.lower() in r[3].lower() for r in rows)}/{len(rows)}")
 
-# Every question reused cached chunks.
-assert all(r[2]["mode"] == "blend" and r[2]["cache_hits"] == TOP_K and r[2]["reused_tokens"] > 0 for r in rows)
+# Every question reused cached chunks and computed none afresh. A chunk that opens the prompt right
+# after the template may come from the prefix cache rather than the store (the warm-up's full prefill
+# left that opening there), so the store's hits alone can be fewer than TOP_K.
+assert all(r[2]["mode"] == "blend" and r[2]["cache_misses"] == 0 and 1 <= r[2]["cache_hits"] <= TOP_K
+           and r[2]["reused_tokens"] > 0 for r in rows)
 
 # %% [markdown]
 # ## Streaming
