@@ -20,6 +20,7 @@ fails alone; a reader that reads slowly never holds the worker, which only appen
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -182,6 +183,10 @@ class RequestScheduler:
             self._thread = threading.Thread(target=self._loop, name=f"cacheblend-scheduler-{self.engine.model_name}",
                                             daemon=True)
             self._thread.start()
+            # A daemon worker still in torch code (a request's K/V going into the prefix cache after its
+            # answer was returned) when the interpreter finalizes aborts the process ("terminate called
+            # without an active exception"): stop it first.
+            atexit.register(self.close, 5.0)
         self._cond.notify()
 
     def configure(self, **limits: Any) -> SchedulerConfig:
