@@ -353,7 +353,8 @@ class CacheBlendEngine:
             raise ChunkMismatchError(f"the prefix segment was computed by another model (fingerprint "
                                      f"{s.model_fingerprint[:12]}, this model is {fingerprint[:12]})")
         if s.kv.device != self.device or s.kv.dtype != self.dtype:
-            return PrefixSegment(s.token_ids, s.kv.to(device=self.device, dtype=self.dtype), s.model_fingerprint)
+            return PrefixSegment(s.token_ids, s.kv.to(device=self.device, dtype=self.dtype), s.model_fingerprint,
+                                 s.approximate_tokens)
         return s
 
     def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter, fingerprint: str) -> None:

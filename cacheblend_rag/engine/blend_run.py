@@ -293,6 +293,8 @@ class BlendRun:
         # What full prefill computes: everything when every cached token was recomputed or none needed
         # it, else the positions before the first blendable cached token.
         exact_kv = layout.n if self.recompute_all or not layout.n_cached else int(layout.cached_pos[0])
+        if layout.approximate_tokens:  # nothing after an approximate prefix's first approximate token is exact
+            exact_kv = min(exact_kv, layout.prefix_len - layout.approximate_tokens)
         stats = BlendStats(
             mode="prefix_cached" if not layout.n_cached else "full_reuse" if self.full_reuse else "blend",
             total_tokens=layout.n,
@@ -300,8 +302,9 @@ class BlendRun:
             reused_tokens=n_cached_total - recomputed,
             recomputed_tokens=recomputed,
             fresh_tokens=layout.n - n_cached_total,
-            exact_tokens=layout.exact_end,
+            exact_tokens=layout.exact_end - layout.approximate_tokens,
             prefix_tokens=layout.prefix_len,
+            approximate_prefix_tokens=layout.approximate_tokens,
             exact_kv_tokens=exact_kv,
             selected_positions=[] if self.selected is None else layout.cached_pos[self.selected].tolist(),
             timings=self.timings,

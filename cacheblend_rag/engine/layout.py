@@ -25,12 +25,18 @@ def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None
     the leading cached chunks each computed behind exactly the prompt text before it (the
     first behind nothing, as a cached system prompt is) and held without loss (``lossless``, per
     cached segment: not rounded to fewer bits or quantized by a store). A :class:`PrefixSegment` from
-    the prefix cache opens it. Prefix caching, in blend terms."""
+    the prefix cache opens it. Prefix caching, in blend terms.
+
+    A prefix segment with approximate tokens (an earlier blend's K/V) is reused as is all the same, so
+    it counts here (this is the K/V no blend recomputes), but nothing extends it: what follows is
+    blended. ``PromptLayout.approximate_tokens`` says how much of it is not exact."""
     before: list[int] = []
     # ``lossless`` counts the chunks of the source, which the prefix segment is not one of.
     offset = 1 if segs and isinstance(segs[0], PrefixSegment) else 0
     if offset:
         before.extend(segs[0].token_ids)
+        if segs[0].approximate_tokens:
+            return len(before)
     for index in range(offset, len(segs)):
         s = segs[index]
         if isinstance(s, (FreshSegment, PrefixSegment)) or (lossless is not None and not lossless[index - offset]):
@@ -55,7 +61,7 @@ class PromptLayout:
     fresh_pos: torch.Tensor  # positions with no cached K/V, sorted
     all_cached_pos: torch.Tensor  # every cached position, sorted
     cached_pos: torch.Tensor  # cached positions after the exact prefix: the blendable ones
-    exact_end: int  # length of the exact prefix
+    exact_end: int  # length of the prefix reused as is (the exact prefix, an approximate prefix segment's too)
     prefix: PrefixSegment | None  # the prefix cache's K/V of positions [0, prefix_len)
     prompt_spans: list[tuple[int, int]]  # every cached chunk (not the prefix), [start, end) in prompt positions
     chunk_spans: list[tuple[int, int]]  # blendable chunks, [start, end) among the blendable cached tokens
@@ -115,6 +121,11 @@ class PromptLayout:
     @property
     def prefix_len(self) -> int:
         return 0 if self.prefix is None else len(self.prefix)
+
+    @property
+    def approximate_tokens(self) -> int:
+        """Tokens of the prefix segment holding an earlier blend's K/V (reused as is, but not exact)."""
+        return 0 if self.prefix is None else self.prefix.approximate_tokens
 
     @property
     def chunk_lengths(self) -> list[int]:

@@ -31,9 +31,32 @@ after them, so it can be reused as is, as vLLM's prefix cache and SGLang's radix
   :mod:`cacheblend_rag.store.prefix_blocks`) is read after the blocks in memory run out and
   written as blocks are added, so replicas sharing a store share prefixes too.
 
-Only K/V that equals full prefill's belongs here: a caller inserts a request's tokens up to its
-``BlendStats.exact_kv_tokens`` (all of them at ratio 1.0, the prompt before the first blended
-chunk otherwise) and, when the whole prompt was exact, the answer decoded after it.
+* **Exact and approximate blocks.** Each block carries a flag. *Exact* blocks hold K/V that equals
+  full prefill's: a caller inserts a request's tokens up to its ``BlendStats.exact_kv_tokens`` (all
+  of them at ratio 1.0, the prompt before the first blended chunk otherwise) and, when the whole
+  prompt was exact, the answer decoded after it. *Approximate* blocks (``insert(...,
+  approximate=True)``) hold what a blend computed past that, prompt and answer: a chat's next turn
+  opens with exactly those tokens, and reusing their K/V as is costs nothing while recomputing
+  them would cost a blend (issue 31). One chain key names a block whatever its flag (a flag per
+  block, checked on match, rather than a second key space, so an exact insert can upgrade an
+  approximate block in place without orphaning the blocks after it). The rules:
+
+  - ``match(..., approximate=False)`` (the default, and what a request that asks for exactness
+    uses: recompute ratio 1.0, full prefill, reuse off) stops at the first approximate block, as if
+    it were missing, and never takes an approximate partial block: what it returns is exact.
+  - ``match(..., approximate=True)`` takes both; from the first approximate block on, every token
+    counts as approximate (``PrefixSegment.approximate_tokens``), whatever the later blocks' flags.
+  - Exact wins: an approximate insert never replaces, supersedes or drops an exact block (full or
+    partial); an exact insert upgrades an approximate block of the same key in place (and writes it
+    to the store under its exact key) and supersedes approximate partial blocks it extends. Where
+    both an exact partial block and an approximate block continue the same parent, a match that
+    allows approximate blocks prefers the exact one unless the approximate one reaches further.
+  - The block in which a request's exact part ends is approximate (it holds blended tokens too),
+    so a match reports up to ``block_size - 1`` exact tokens as approximate there.
+  - The blend configuration is not part of the key: the next turn of one conversation uses the
+    same ratio and selection, and an approximate block is an earlier blend's output either way.
+    Exactness is guarded by who may read them (ratio < 1.0), not by the key.
+  - Both kinds share the byte bound and the least-recently-used order.
 
 The cache holds no thread; a lock makes :meth:`stats` safe to read from other threads.
 """
@@ -99,13 +122,16 @@ def _framed(data: bytes) -> bytes:
 class PrefixBlockStore(Protocol):
     """Where a prefix cache keeps blocks for other replicas (:mod:`cacheblend_rag.store.prefix_blocks`)."""
 
-    def load_blocks(self, keys: Sequence[str], block_size: int) -> list[torch.Tensor]:
-        """The blocks of ``keys`` in order, as far as they are stored whole and valid (one missing or
-        damaged ends the list; a damaged one is reported and removed)."""
+    def load_blocks(self, keys: Sequence[str], block_size: int, *,
+                    approximate: bool = False) -> list[tuple[torch.Tensor, bool]]:
+        """The blocks of ``keys`` in order with their approximate flags, as far as they are stored whole
+        and valid (one missing or damaged ends the list; a damaged one is reported and removed). Only
+        exact blocks unless ``approximate``; an exact block is preferred to an approximate one."""
         ...
 
-    def save_block(self, key: str, token_ids: Sequence[int], kv: torch.Tensor) -> None:
-        """Keep one block (``[layers, 2, kv_heads, block_size, head_dim]``); may write in the background."""
+    def save_block(self, key: str, token_ids: Sequence[int], kv: torch.Tensor, *, approximate: bool = False) -> None:
+        """Keep one block (``[layers, 2, kv_heads, block_size, head_dim]``), marked approximate or
+        not, so that no reader takes an approximate block for an exact one; may write in the background."""
         ...
 
 
@@ -115,7 +141,10 @@ class PrefixCacheStats:
     one block or none, ``hit_tokens`` the tokens they reused of the ``queried_tokens`` they could
     have (vLLM's prefix-cache hit rate is their ratio); ``store_blocks`` the blocks read from the
     backing store; ``partial_blocks`` those of ``blocks`` that are partial, ``partial_hits`` the
-    lookups that ended in part of a block."""
+    lookups that ended in part of a block; ``approximate_blocks`` and ``approximate_bytes`` the
+    share of ``blocks`` and ``bytes`` that is approximate (an earlier blend's K/V), and
+    ``approximate_hit_tokens`` the share of ``hit_tokens`` that was; ``upgraded_blocks`` the
+    approximate blocks an exact insert (or load) replaced."""
 
     blocks: int = 0
     bytes: int = 0
@@ -130,22 +159,27 @@ class PrefixCacheStats:
     partial_hits: int = 0
     evictions: int = 0
     store_blocks: int = 0
+    approximate_blocks: int = 0
+    approximate_bytes: int = 0
+    approximate_hit_tokens: int = 0
+    upgraded_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class _Block:
-    __slots__ = ("kv", "parent", "children", "nbytes", "ids", "under")
+    __slots__ = ("kv", "parent", "children", "nbytes", "ids", "under", "approximate")
 
     def __init__(self, kv: torch.Tensor, parent: str | None, ids: tuple[int, ...] | None = None,
-                 under: str | None = None) -> None:
+                 under: str | None = None, approximate: bool = False) -> None:
         self.kv = kv
         self.parent = parent  # the parent block's key (None for the first block of a chain)
         self.children = 0
         self.nbytes = kv.numel() * kv.element_size()
         self.ids = ids  # the block's token ids (fewer than block_size: a partial block)
         self.under = under  # the parent block's key, or the chain's root key for a first block
+        self.approximate = approximate  # an earlier blend's K/V, not full prefill's
 
 
 class PrefixCache:
@@ -179,10 +213,13 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None,
-              salt: str = "") -> PrefixSegment | None:
+              salt: str = "", approximate: bool = False) -> PrefixSegment | None:
         """The longest cached prefix of ``token_ids`` of at most ``max_tokens`` tokens (default: all but
         the last, which a blend must compute), as a segment: full blocks, then the longest run of
-        tokens a block after them shares with the rest; ``None`` if none."""
+        tokens a block after them shares with the rest; ``None`` if none.
+
+        Exact blocks only unless ``approximate`` (then the segment's ``approximate_tokens`` counts the
+        tokens from the first approximate block on); see the module's rules."""
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
         if not self.enabled or limit < 1 or (limit < self.block_size and not self.partial_blocks):
             return None
@@ -192,90 +229,107 @@ class PrefixCache:
             found = []
             for key in keys:
                 block = self._blocks.get(key)
-                if block is None:
+                if block is None or (block.approximate and not approximate):
                     break
                 found.append(key)
             for key in reversed(found):  # the leaf first: parents stay more recent than their children
                 self._blocks.move_to_end(key)
             parts = [self._blocks[key].kv for key in found]
+            flags = [self._blocks[key].approximate for key in found]
         if len(found) < len(keys) and self.backing is not None:
-            loaded = self.backing.load_blocks(keys[len(found):], self.block_size)
+            loaded = self.backing.load_blocks(keys[len(found):], self.block_size, approximate=approximate)
             if loaded:
-                self._admit(keys[: len(found) + len(loaded)], len(found), loaded, ids, root_key(fingerprint, salt))
-                parts.extend(loaded)
+                self._admit(keys[: len(found) + len(loaded)], len(found), [kv for kv, _ in loaded], ids,
+                            root_key(fingerprint, salt), [flag for _, flag in loaded])
+                parts.extend(kv for kv, _ in loaded)
+                flags.extend(flag for _, flag in loaded)
                 with self._lock:
                     self._counts.store_blocks += len(loaded)
         n = len(parts) * self.block_size
         if self.partial_blocks and n < limit:  # where the full blocks end, however far they reach
             under = keys[len(parts) - 1] if parts else root_key(fingerprint, salt)
-            partial = self._match_partial(under, ids[n:limit])
+            partial = self._match_partial(under, ids[n:limit], approximate)
             if partial is not None:
-                parts.append(partial)
-                n += partial.shape[3]
+                parts.append(partial[0])
+                flags.append(partial[1])
+                n += partial[0].shape[3]
                 with self._lock:
                     self._counts.partial_hits += 1
+        # From the first approximate block on, every token is approximate (it attended to approximate K/V).
+        exact = next((i * self.block_size for i, flag in enumerate(flags) if flag), n)
         with self._lock:
             self._counts.queried_tokens += limit
             if parts:
                 self._counts.hits += 1
                 self._counts.hit_tokens += n
+                self._counts.approximate_hit_tokens += n - exact
             else:
                 self._counts.misses += 1
         if not parts:
             return None
         kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-        return PrefixSegment(ids[:n], kv, fingerprint)
+        return PrefixSegment(ids[:n], kv, fingerprint, approximate_tokens=n - exact)
 
-    def _match_partial(self, under: str, rest: Sequence[int]) -> torch.Tensor | None:
+    def _match_partial(self, under: str, rest: Sequence[int], approximate: bool) -> tuple[torch.Tensor, bool] | None:
         """The K/V of the longest run of tokens that opens ``rest`` and a block held after ``under``
-        (full or partial; the block is touched), ``None`` if no block after it opens with ``rest[0]``."""
+        (full or partial; exact only unless ``approximate``, an exact one preferred where it reaches as
+        far; the block is touched) and that block's flag; ``None`` if no such block opens with ``rest[0]``."""
         rest = tuple(rest)
         with self._lock:
             best, most = None, 0
             for key in self._kids.get(under, ()):
-                ids = self._blocks[key].ids
-                assert ids is not None
-                j = _common(ids, rest)
-                if j > most:
+                block = self._blocks[key]
+                if block.approximate and not approximate:
+                    continue
+                assert block.ids is not None
+                j = _common(block.ids, rest)
+                if j > most or (j == most and best is not None and self._blocks[best].approximate
+                                and not block.approximate):
                     best, most = key, j
-            if best is None:
+            if best is None or most == 0:
                 return None
             self._blocks.move_to_end(best)
-            kv = self._blocks[best].kv
-            return kv if most == kv.shape[3] else kv[:, :, :, :most]
+            block = self._blocks[best]
+            return (block.kv if most == block.kv.shape[3] else block.kv[:, :, :, :most]), block.approximate
 
     # ------------------------------------------------------------------ inserts
     def insert(self, token_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-               fingerprint: str, *, salt: str = "") -> int:
+               fingerprint: str, *, salt: str = "", approximate: bool = False) -> int:
         """Keep the blocks of ``token_ids`` whose K/V is not cached yet, the last partial one too (unless
-        ``partial_blocks`` is off); returns how many were added (a partial block counts as one).
+        ``partial_blocks`` is off); returns how many were added (a partial block counts as one, and so
+        does an approximate block an exact insert upgraded).
 
         ``keys[l]`` (rotated) and ``values[l]`` are layer ``l``'s ``[1, kv_heads, n, head_dim]`` with
         ``n >= len(token_ids)`` (a decoding cache, a blend's cache): they must be what full prefill
-        computes for these tokens at positions 0..len-1. Blocks are copied, never views of the caller's
-        buffers."""
+        computes for these tokens at positions 0..len-1, or, with ``approximate``, what a blend computed
+        for them there (kept as approximate blocks, which never replace exact ones). Blocks are copied,
+        never views of the caller's buffers."""
         if not self.enabled or not keys:
             return 0
         ids = list(token_ids)
         chain = block_keys(fingerprint, ids, self.block_size, salt)
         root = root_key(fingerprint, salt)
         with self._lock:
-            have = 0
-            while have < len(chain) and chain[have] in self._blocks:
+            have = 0  # blocks held as good as these: any for an approximate insert, exact ones for an exact one
+            while have < len(chain) and chain[have] in self._blocks and (
+                    approximate or not self._blocks[chain[have]].approximate):
                 have += 1
         B = self.block_size
         added = 0
         if have < len(chain):
             new = [torch.stack([torch.stack([k[0, :, i * B : (i + 1) * B], v[0, :, i * B : (i + 1) * B]])
                                 for k, v in zip(keys, values)]) for i in range(have, len(chain))]
-            added = self._admit(chain, have, new, ids, root)
+            kept = self._admit(chain, have, new, ids, root, [approximate] * len(new))
+            added = len(kept)
             with self._lock:  # a full block supersedes the partial blocks after its parent that it extends
-                for i in range(have, have + added):
-                    self._drop_partials_locked(chain[i - 1] if i else root, ids[i * B : (i + 1) * B])
+                for i in kept:
+                    self._drop_partials_locked(chain[i - 1] if i else root, ids[i * B : (i + 1) * B], approximate)
             if self.backing is not None:
-                for i, kv in zip(range(have, have + added), new):
-                    self.backing.save_block(chain[i], ids[i * B : (i + 1) * B], kv)
-            if have + added < len(chain):
+                for i in kept:
+                    self.backing.save_block(chain[i], ids[i * B : (i + 1) * B], new[i - have], approximate=approximate)
+            with self._lock:
+                stopped = chain[-1] not in self._blocks
+            if stopped:
                 return added  # the bound stopped the chain: no partial block after a missing one
         start = len(chain) * B
         if self.partial_blocks and start < len(ids):
@@ -283,27 +337,32 @@ class PrefixCache:
             kv = torch.stack([torch.stack([k[0, :, start : len(ids)], v[0, :, start : len(ids)]])
                               for k, v in zip(keys, values)])
             added += self._admit_partial(chain[-1] if chain else None, chain[-1] if chain else root, tail, kv,
-                                         set(chain))
+                                         set(chain), approximate)
         return added
 
     def _admit_partial(self, parent: str | None, under: str, tail: Sequence[int], kv: torch.Tensor,
-                       protected: set[str]) -> int:
+                       protected: set[str], approximate: bool) -> int:
         """Keep ``tail`` (fewer than a block of ids after ``under``) as a partial block, unless one held
-        there already covers it; those it extends are dropped. 1 if kept."""
+        there already covers it (an exact one, for an exact ``tail``); those it extends are dropped (exact
+        ones only by an exact ``tail``). 1 if kept."""
         tail = tuple(tail)
+        key = partial_key(under, tail)
         with self._lock:
             if parent is not None and parent not in self._blocks:
                 return 0
-            for key in self._kids.get(under, ()):
-                held = self._blocks[key].ids
-                assert held is not None
-                if len(held) >= len(tail) and held[: len(tail)] == tail:
+            for held_key in self._kids.get(under, ()):
+                held = self._blocks[held_key]
+                assert held.ids is not None
+                if (len(held.ids) >= len(tail) and held.ids[: len(tail)] == tail
+                        and (approximate or not held.approximate)):
                     return 0  # the same tokens, or more, are held (a full block, a longer partial one)
-            self._drop_partials_locked(under, tail)
-            block = _Block(kv, parent, tail, under)  # kv is a new tensor (stacked)
+            if key in self._blocks:  # the same tokens held approximate, now exact: replaced
+                self._remove_locked(key)
+                self._counts.upgraded_blocks += 1
+            self._drop_partials_locked(under, tail, approximate)
+            block = _Block(kv, parent, tail, under, approximate)  # kv is a new tensor (stacked)
             if not self._make_room(block.nbytes, protected):
                 return 0
-            key = partial_key(under, tail)
             self._blocks[key] = block
             self._bytes += block.nbytes
             self._kids.setdefault(under, set()).add(key)
@@ -311,13 +370,15 @@ class PrefixCache:
                 self._blocks[parent].children += 1
             return 1
 
-    def _drop_partials_locked(self, under: str, ids: Sequence[int]) -> None:
-        """Drop the partial blocks after ``under`` whose ids open ``ids`` (a longer block supersedes them)."""
+    def _drop_partials_locked(self, under: str, ids: Sequence[int], approximate: bool) -> None:
+        """Drop the partial blocks after ``under`` whose ids open ``ids`` (a longer block supersedes them;
+        an approximate one supersedes approximate ones only)."""
         ids = tuple(ids)
         for key in list(self._kids.get(under, ())):
-            held = self._blocks[key].ids
-            assert held is not None
-            if len(held) < min(len(ids), self.block_size) and ids[: len(held)] == held:
+            held = self._blocks[key]
+            assert held.ids is not None
+            if (len(held.ids) < min(len(ids), self.block_size) and ids[: len(held.ids)] == held.ids
+                    and (held.approximate or not approximate)):
                 self._remove_locked(key)
 
     def _remove_locked(self, key: str) -> _Block:
@@ -334,24 +395,30 @@ class PrefixCache:
         return block
 
     def _admit(self, chain: Sequence[str], start: int, blocks: Sequence[torch.Tensor], ids: Sequence[int],
-               root: str) -> int:
+               root: str, approximate: Sequence[bool]) -> list[int]:
         """Add ``blocks`` as ``chain[start:]`` (their parents ``chain[:start]`` are held; ``ids`` the
-        chain's tokens, ``root`` its root key); stops where the bound leaves no room, so what is held
-        stays a chain."""
+        chain's tokens, ``root`` its root key; ``approximate`` their flags); an exact block upgrades an
+        approximate one held under its key, in place. Stops where the bound leaves no room, so what is
+        held stays a chain. Returns the chain indices of the blocks added or upgraded."""
         B = self.block_size
-        added = 0
+        kept: list[int] = []
         with self._lock:
             protected = set(chain[: start + len(blocks)])
-            for offset, kv in enumerate(blocks):
+            for offset, (kv, flag) in enumerate(zip(blocks, approximate)):
                 index = start + offset
                 key = chain[index]
                 parent = chain[index - 1] if index else None
-                if key in self._blocks:
+                held = self._blocks.get(key)
+                if held is not None:
+                    if held.approximate and not flag:  # exact wins: same tokens, same place, same size
+                        held.kv, held.approximate = kv, False
+                        self._counts.upgraded_blocks += 1
+                        kept.append(index)
                     continue
                 if parent is not None and parent not in self._blocks:
                     break  # its parent was evicted meanwhile: the rest cannot be reached
                 under = parent if parent is not None else root
-                block = _Block(kv, parent, tuple(ids[index * B : (index + 1) * B]), under)
+                block = _Block(kv, parent, tuple(ids[index * B : (index + 1) * B]), under, flag)
                 if not self._make_room(block.nbytes, protected):
                     break
                 self._blocks[key] = block
@@ -360,8 +427,8 @@ class PrefixCache:
                 if parent is not None:
                     self._blocks[parent].children += 1
                 self._counts.inserted_blocks += 1
-                added += 1
-        return added
+                kept.append(index)
+        return kept
 
     def _make_room(self, nbytes: int, protected: set[str]) -> bool:
         """Evict least recently used leaves (not in ``protected``) until ``nbytes`` fit; False if they cannot."""
@@ -401,6 +468,8 @@ class PrefixCache:
             out = PrefixCacheStats(**asdict(self._counts))
             out.blocks, out.bytes = len(self._blocks), self._bytes
             out.partial_blocks = sum(1 for b in self._blocks.values() if b.ids is not None and len(b.ids) < self.block_size)
+            approximate = [b for b in self._blocks.values() if b.approximate]
+            out.approximate_blocks, out.approximate_bytes = len(approximate), sum(b.nbytes for b in approximate)
         return out
 
     def __len__(self) -> int:

@@ -20,7 +20,10 @@ class BlendStats:
     recomputed_tokens: int  # cached tokens recomputed from the check layer on
     fresh_tokens: int  # tokens with no cached KV (template, glue, question, missed chunks)
     exact_tokens: int = 0  # cached tokens that form an exact prefix (reused as is, outside the budget)
-    prefix_tokens: int = 0  # of the exact tokens, those whose K/V came from the prefix cache (a PrefixSegment)
+    # tokens whose K/V came from the prefix cache (a PrefixSegment): exact ones (counted in exact_tokens
+    # too) and approximate ones (an earlier blend's K/V, reused as is and outside the budget as well)
+    prefix_tokens: int = 0
+    approximate_prefix_tokens: int = 0  # of the prefix tokens, those that are approximate (never exact_tokens)
     # leading positions whose K/V in the result is what full prefill computes (all of them at ratio 1.0
     # or in full prefill; else up to the first blendable cached token): what a prefix cache may keep
     exact_kv_tokens: int = 0
@@ -48,6 +51,7 @@ class BlendStats:
             "fresh_tokens": self.fresh_tokens,
             "exact_tokens": self.exact_tokens,
             "prefix_tokens": self.prefix_tokens,
+            "approximate_prefix_tokens": self.approximate_prefix_tokens,
             "exact_kv_tokens": self.exact_kv_tokens,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,

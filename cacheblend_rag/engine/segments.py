@@ -109,19 +109,35 @@ class PrefixSegment:
     ``kv`` is ``[layers, 2, kv_heads, n, head_dim]``: keys (index 0) *rotated* at positions
     0..n-1 and values (index 1). Unlike a chunk, a prefix never moves, so its keys are kept as the
     decoding cache holds them, and a prefix taken from a finished request is used bit for bit.
+
+    ``approximate_tokens``: how many of its last tokens hold an earlier blend's K/V rather than full
+    prefill's (the prefix cache's approximate blocks). They are reused as is and outside the budget
+    too, but counted apart (``BlendStats.approximate_prefix_tokens``), never as exact.
     """
 
     token_ids: tuple[int, ...]
     kv: torch.Tensor
     model_fingerprint: str | None = None
+    approximate_tokens: int = 0
 
-    def __init__(self, token_ids: Sequence[int], kv: torch.Tensor, model_fingerprint: str | None = None) -> None:
+    def __init__(self, token_ids: Sequence[int], kv: torch.Tensor, model_fingerprint: str | None = None,
+                 approximate_tokens: int = 0) -> None:
         object.__setattr__(self, "token_ids", as_token_ids(token_ids, "prefix token ids"))
         object.__setattr__(self, "kv", kv)
         object.__setattr__(self, "model_fingerprint", model_fingerprint)
+        if isinstance(approximate_tokens, bool) or not isinstance(approximate_tokens, int) or not (
+                0 <= approximate_tokens <= len(self.token_ids)):
+            raise BlendInputError(f"approximate_tokens={approximate_tokens!r} must be an integer in "
+                                  f"[0, {len(self.token_ids)}] (the prefix's tokens)")
+        object.__setattr__(self, "approximate_tokens", approximate_tokens)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def exact_tokens(self) -> int:
+        """Its leading tokens whose K/V is full prefill's."""
+        return len(self.token_ids) - self.approximate_tokens
 
 
 Segment = Union[FreshSegment, CachedSegment, StoredSegment, PrefixSegment]

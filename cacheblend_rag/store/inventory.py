@@ -1,5 +1,5 @@
 """What a store holds, by codec: entries, tokens, bytes, and bytes per token (``cache stats``); prefix-cache
-blocks (:mod:`cacheblend_rag.store.prefix_blocks`) apart from chunks."""
+blocks (:mod:`cacheblend_rag.store.prefix_blocks`) apart from chunks, approximate ones apart from exact ones."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.errors import CorruptEntryError
 from cacheblend_rag.store.format import peek_manifest
-from cacheblend_rag.store.keys import is_prefix_block_key
+from cacheblend_rag.store.keys import is_approximate_prefix_block_key, is_prefix_block_key
 
 
 @dataclass
@@ -28,7 +28,8 @@ class CodecShare:
 
 def inventory(store: KVStore) -> dict[str, CodecShare]:
     """Chunks of ``store`` grouped by codec (``"int8 (group 64)"``; ``"unreadable"`` for manifests that
-    do not parse), prefix-cache blocks as ``"prefix blocks, <codec>"``. Reads every manifest once; tags
+    do not parse), prefix-cache blocks as ``"prefix blocks, <codec>"`` (approximate ones as
+    ``"prefix blocks (approximate), <codec>"``). Reads every manifest once; tags
     are not checked (nothing here is used to answer)."""
     shares: dict[str, CodecShare] = {}
     for key, data in store.manifests():
@@ -37,7 +38,9 @@ def inventory(store: KVStore) -> dict[str, CodecShare]:
                 raise data
             manifest = peek_manifest(data)
             label = manifest.codec + (f" (group {manifest.group})" if manifest.group else "")
-            if is_prefix_block_key(key):
+            if is_approximate_prefix_block_key(key):  # an earlier blend's K/V, never read as exact
+                label = f"prefix blocks (approximate), {label}"
+            elif is_prefix_block_key(key):
                 label = f"prefix blocks, {label}"
         except CorruptEntryError:
             shares.setdefault("unreadable", CodecShare()).entries += 1

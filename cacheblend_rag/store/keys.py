@@ -55,13 +55,22 @@ def chunk_key(
 
 # Prefix-cache blocks (cacheblend_rag.store.prefix_blocks) live in the same stores as chunks, under
 # keys of their own: a block entry is never taken for a chunk entry, and inventories count them apart.
+# An approximate block (an earlier blend's K/V) has a key of its own too, so its flag is part of the
+# name its manifest is tagged under: no entry is read as exact unless it was written as exact.
 PREFIX_BLOCK_KEY = "prefix-"
+APPROXIMATE_PREFIX_BLOCK_KEY = "prefix-approx-"  # chain keys are hex: never "approx-..."
 
 
-def prefix_block_key(chain_key: str) -> str:
-    """The store key of a prefix-cache block, from its chain key (:func:`engine.prefix_cache.block_keys`)."""
-    return PREFIX_BLOCK_KEY + chain_key
+def prefix_block_key(chain_key: str, *, approximate: bool = False) -> str:
+    """The store key of a prefix-cache block, from its chain key (:func:`engine.prefix_cache.block_keys`)
+    and its flag."""
+    return (APPROXIMATE_PREFIX_BLOCK_KEY if approximate else PREFIX_BLOCK_KEY) + chain_key
 
 
 def is_prefix_block_key(key: str) -> bool:
+    """Any prefix-cache block, exact or approximate."""
     return key.startswith(PREFIX_BLOCK_KEY)
+
+
+def is_approximate_prefix_block_key(key: str) -> bool:
+    return key.startswith(APPROXIMATE_PREFIX_BLOCK_KEY)

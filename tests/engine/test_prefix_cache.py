@@ -192,6 +192,82 @@ def test_resize_evicts_down_to_the_new_bound():
     assert cache.stats().blocks == 0
 
 
+# --------------------------------------------------------------------------- exact and approximate blocks
+def test_approximate_blocks_are_matched_only_when_asked_and_count_as_approximate_from_the_first_on():
+    cache = PrefixCache(1 << 20, block_size=4)
+    ids = list(range(10, 24))  # 14 tokens
+    exact_kv, blended_kv = fake_kv(2, 14, seed=1), fake_kv(2, 14, seed=2)
+    assert cache.insert(ids[:6], *exact_kv, "fp") == 2  # a full block and a partial one of 2
+    assert cache.insert(ids, *blended_kv, "fp", approximate=True) == 3  # blocks 1, 2 and a partial one of 2
+    exact = cache.match(ids + [99], "fp")
+    assert exact.token_ids == tuple(ids[:6]) and exact.approximate_tokens == 0 and exact.exact_tokens == 6
+    assert torch.equal(exact.kv[0, 0], exact_kv[0][0][0, :, :6])
+    both = cache.match(ids + [99], "fp", approximate=True)
+    assert both.token_ids == tuple(ids) and both.approximate_tokens == 10 and both.exact_tokens == 4
+    assert torch.equal(both.kv[1, 0, :, :4], exact_kv[0][1][0, :, :4])  # block 0 is the exact one
+    assert torch.equal(both.kv[1, 1, :, 4:], blended_kv[1][1][0, :, 4:14])
+    # Diverging inside block 1: the exact partial block and the approximate full one agree on 2 tokens,
+    # and the exact one is taken.
+    tie = cache.match(ids[:6] + [0, 0, 0], "fp", approximate=True)
+    assert tie.token_ids == tuple(ids[:6]) and tie.approximate_tokens == 0
+    assert cache.match(ids[:7] + [0, 0], "fp", approximate=True).approximate_tokens == 3  # the approximate one reaches further
+    stats = cache.stats()
+    assert (stats.blocks, stats.partial_blocks, stats.approximate_blocks) == (5, 2, 3)
+    assert stats.approximate_bytes == 2 * block_bytes() + block_bytes() // 2
+    assert stats.approximate_hit_tokens == 10 + 3 and stats.hit_tokens == 6 + 14 + 6 + 7
+
+
+def test_exact_blocks_win_over_approximate_ones_and_upgrade_them_in_place():
+    cache = PrefixCache(1 << 20, block_size=4)
+    ids = list(range(12))
+    exact_kv, blended_kv, other_kv = fake_kv(2, 12, seed=1), fake_kv(2, 12, seed=2), fake_kv(2, 12, seed=3)
+    assert cache.insert(ids, *blended_kv, "fp", approximate=True) == 3
+    assert cache.match(ids + [99], "fp") is None  # approximate blocks only: nothing exact
+    assert cache.insert(ids[:8], *exact_kv, "fp") == 2  # the first two, upgraded
+    stats = cache.stats()
+    assert (stats.blocks, stats.approximate_blocks, stats.upgraded_blocks) == (3, 1, 2)
+    hit = cache.match(ids + [99], "fp", approximate=True)
+    assert hit.approximate_tokens == 4 and torch.equal(hit.kv[0, 0, :, :8], exact_kv[0][0][0, :, :8])
+    # An approximate insert of the same tokens changes nothing: exact K/V is never overwritten.
+    assert cache.insert(ids, *other_kv, "fp", approximate=True) == 0
+    again = cache.match(ids + [99], "fp", approximate=True)
+    assert torch.equal(again.kv, hit.kv)
+    assert cache.match(ids + [99], "fp").token_ids == tuple(ids[:8])
+    # Partial blocks: an approximate one never supersedes an exact one it extends; an exact one of the
+    # same tokens replaces an approximate one.
+    small = PrefixCache(1 << 20, block_size=4)
+    assert small.insert([1, 2], *exact_kv, "fp") == 1
+    assert small.insert([1, 2, 3], *blended_kv, "fp", approximate=True) == 1
+    assert small.insert([1, 2], *other_kv, "fp", approximate=True) == 0  # covered
+    assert (small.stats().partial_blocks, small.stats().approximate_blocks) == (2, 1)
+    assert small.match([1, 2, 3, 9], "fp").token_ids == (1, 2)
+    assert small.match([1, 2, 3, 9], "fp", approximate=True).approximate_tokens == 3
+    assert small.insert([1, 2, 3], *exact_kv, "fp") == 1  # exact now: the approximate one is replaced
+    assert (small.stats().partial_blocks, small.stats().approximate_blocks) == (1, 0)
+    exact_hit = small.match([1, 2, 3, 9], "fp", approximate=True)
+    assert exact_hit.approximate_tokens == 0 and torch.equal(exact_hit.kv[0, 0], exact_kv[0][0][0, :, :3])
+
+
+def test_blocks_after_an_approximate_block_count_as_approximate_whatever_their_flag():
+    """A chain whose approximate block is followed by exact ones (a store evicted the exact parent, say):
+    an exact match stops at the approximate block, one that allows them counts everything after it."""
+    cache = PrefixCache(1 << 20, block_size=4, partial_blocks=False)
+    ids = list(range(12))
+    cache.insert(ids, *fake_kv(2, 12, seed=1), "fp")
+    chain = block_keys("fp", ids, 4)
+    cache._blocks[chain[1]].approximate = True
+    assert cache.match(ids + [99], "fp").token_ids == tuple(ids[:4])
+    assert cache.match(ids + [99], "fp", approximate=True).approximate_tokens == 8
+
+
+def test_a_prefix_segment_checks_its_approximate_tokens():
+    kv = torch.zeros(2, 2, 2, 4, 8)
+    with pytest.raises(BlendInputError, match="approximate_tokens=5"):
+        PrefixSegment([1, 2, 3, 4], kv, approximate_tokens=5)
+    with pytest.raises(BlendInputError, match="approximate_tokens=True"):
+        PrefixSegment([1, 2, 3, 4], kv, approximate_tokens=True)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_bytes": -1}, "max_bytes=-1"), ({"max_bytes": 1.5}, "max_bytes=1.5"),
     ({"max_bytes": 10, "block_size": 0}, "block_size=0"),
@@ -274,6 +350,45 @@ def test_a_prompt_cached_up_to_its_question_computes_only_the_rest(arch):
     assert out.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
     torch.testing.assert_close(engine.blend([hit, FreshSegment(new_turn[m:])]).logits,
                                engine.full_prefill(new_turn).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_counted_apart(arch):
+    """Turn 2 of a RAG chat: turn 1 was blended, so its K/V past the lead is approximate; kept as
+    approximate blocks, it opens turn 2 as is (nothing recomputed, outside the budget), only what is
+    new is blended, and the stats count it apart from the exact tokens. The flag changes no number."""
+    engine = tiny_engine(arch)
+    lead, chunk_ids, question, full_ids = prompt(engine)
+    chunks = engine.prefill_chunks(chunk_ids)
+    cfg = BlendConfig(recompute_ratio=0.15)
+    turn1 = engine.blend([FreshSegment(lead), *map(CachedSegment, chunks), FreshSegment(question)], config=cfg)
+    exact_kv = turn1.stats.exact_kv_tokens
+    assert exact_kv == len(lead) < len(full_ids)
+    keys, values = [l.keys for l in turn1.cache.layers], [l.values for l in turn1.cache.layers]
+    cache = PrefixCache(1 << 24, block_size=16)
+    cache.insert(full_ids[:exact_kv], keys, values, engine.fingerprint)
+    cache.insert(full_ids, keys, values, engine.fingerprint, approximate=True)
+    new_chunk = engine.prefill_chunk(chunk_ids[2])
+    turn2 = full_ids + question
+    assert cache.match(turn2, engine.fingerprint).token_ids == tuple(lead)  # exact only: the lead
+    hit = cache.match(turn2, engine.fingerprint, approximate=True)
+    m = len(hit)
+    exact = len(lead) // 16 * 16  # the block the lead ends in holds blended tokens: approximate
+    assert m == len(full_ids) and hit.approximate_tokens == m - exact
+    segments = [hit, CachedSegment(new_chunk), FreshSegment(question)]
+    out = engine.blend(segments, config=cfg)
+    stats = out.stats
+    assert stats.prefix_tokens == m and stats.approximate_prefix_tokens == m - exact and stats.exact_tokens == exact
+    assert stats.recomputed_tokens == selection_budget(0.15, len(new_chunk)) and stats.exact_kv_tokens == exact
+    assert stats.cached_tokens == m + len(new_chunk) and stats.fresh_tokens == len(question)
+    # The same K/V passed as an exact prefix: the same blend, bit for bit; only the stats differ.
+    as_exact = engine.blend([PrefixSegment(hit.token_ids, hit.kv), *segments[1:]], config=cfg)
+    assert torch.equal(out.logits, as_exact.logits)
+    assert out.stats.selected_positions == as_exact.stats.selected_positions
+    assert as_exact.stats.exact_tokens == m and as_exact.stats.approximate_prefix_tokens == 0
+    # Nothing left to blend: prefix_cached, and only the exact part of it is exact K/V.
+    only = engine.blend([hit, FreshSegment(question)], config=cfg)
+    assert only.stats.mode == "prefix_cached" and only.stats.exact_kv_tokens == exact
 
 
 def test_few_blendable_tokens_behind_a_cached_prefix_are_computed_fresh_behind_it():
