@@ -69,6 +69,9 @@ from cacheblend_rag.store import ChunkCache, MemoryKVStore
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 TARGET_TURN = 4
 TARGETS = {"vs_blending": 1.5, "vs_full_prefill": 4.0}
+# Per turn and method: exact K/V reused, prefix-cache K/V (exact and approximate), approximate of it, and the rest.
+TURN_TOKENS = ("exact_tokens", "prefix_tokens", "approximate_prefix_tokens", "reused_tokens", "recomputed_tokens",
+               "fresh_tokens")
 
 # About 400 SmolLM2 tokens: a RAG assistant's role, rules and answer format, as an app would write it.
 SYSTEM_PROMPT = (
@@ -192,7 +195,7 @@ def method_logits(llm: CacheBlendLLM, prompt: str, tokens: Sequence[int]) -> tup
 
     @torch.inference_mode()
     def run() -> tuple[torch.Tensor, dict[str, Any]]:
-        prepared = service.prepare(prompt, reuse=llm.reuse_chunk_kv)
+        prepared = service.prepare(prompt, reuse=llm.reuse_chunk_kv, blend=llm.blend_config)
         blended = engine.blend(prepared.segments, config=llm.blend_config, store=service.chunk_cache)
         logits = teacher_forced_logits(engine, blended.logits, blended.cache, len(blended.input_ids), tokens)
         return logits, blended.stats.to_dict()
@@ -229,8 +232,7 @@ def run_turn(engine: CacheBlendEngine, llms: dict[str, CacheBlendLLM], histories
             "top1": top1_agreement(reference_logits, logits),
             "answer_matches_reference": answers_match(response.message.content, answer),
             "f1": gold_f1(response.message.content, example.answers),
-            **{k: stats.get(k) for k in ("mode", "exact_tokens", "prefix_tokens", "reused_tokens",
-                                         "recomputed_tokens", "fresh_tokens", "cache_hits", "fallback_reason")},
+            **{k: stats.get(k) for k in ("mode", *TURN_TOKENS, "cache_hits", "fallback_reason")},
         }
     for history in histories.values():
         history.append(ChatMessage(role="assistant", content=answer))
@@ -322,8 +324,7 @@ def summarize(conversations: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
                 "kl": statistics.fmean(r["kl"] for r in runs),
                 "top1": statistics.fmean(r["top1"] for r in runs),
                 "answer_matches_reference": statistics.fmean(float(r["answer_matches_reference"]) for r in runs),
-                **{k: _median([r[k] or 0 for r in runs]) for k in ("exact_tokens", "prefix_tokens", "reused_tokens",
-                                                                    "recomputed_tokens", "fresh_tokens")},
+                **{k: _median([r.get(k) or 0 for r in runs]) for k in TURN_TOKENS},
             }
         ttft = {name: m["ttft_s"] for name, m in methods.items()}
 

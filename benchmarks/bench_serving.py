@@ -75,7 +75,7 @@ class Methods:
         started = time.perf_counter()
         engine = self.service.engine
         with self.lock, torch.inference_mode():
-            prepared = self.service.prepare(prompt)
+            prepared = self.service.prepare(prompt, blend=self.blend)
             blended = engine.blend(prepared.segments, config=self.blend, store=self.service.chunk_cache)
             gen = self.generation.resolved(engine.model.generation_config)
             eos = eos_token_ids(engine)

@@ -4,10 +4,18 @@ Frameworks hand a model one rendered prompt string. The retrieval side has told 
 which chunk texts prompts will contain (:meth:`BlendService.announce`); the service finds
 them verbatim in the prompt, turns the prompt into segments (chunks looked up in the chunk
 cache, everything else fresh), takes the longest opening of the prompt whose K/V an earlier
-request left in the prefix cache (:mod:`~cacheblend_rag.engine.prefix_cache`) as an exact
-prefix (and, with a segment cache, spans after the chunks an earlier request computed as cached
-segments), blends and decodes, and leaves the exact part of this request's K/V (prompt and
-answer, when all of it is exact) in the prefix cache for the next. All of that runs on the engine's
+request left in the prefix cache (:mod:`~cacheblend_rag.engine.prefix_cache`) as a prefix reused as
+is (and, with a segment cache, spans after the chunks an earlier request computed as cached
+segments), blends and decodes, and leaves this request's K/V (prompt and answer) in the prefix cache
+for the next: the exact part as exact blocks, what the blend computed past it as approximate ones.
+
+Approximate blocks are an earlier blend's K/V, so they are only served to a request that accepts a
+blend's approximation anyway: recompute ratio below 1.0 and at least one announced chunk found in the
+prompt (one it would blend). A request at ratio 1.0, one that finds no chunk (full prefill) and one
+with reuse off gets exact blocks only, so its answer is what it is without the cache. That is what a
+chat needs: turn ``N`` opens with turn ``N-1``'s whole prompt and answer, reused as is, outside the
+recompute budget, and only the new message is blended. The blend configuration is not part of the
+blocks' keys: a conversation's turns use one. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
 """
@@ -47,6 +55,7 @@ class PreparedPrompt:
     chunks_missing: int  # texts of the latest announcement the prompt lacks verbatim
     reason: str | None  # why no chunk KV is reused, when none is
     prefix_tokens: int = 0  # tokens the prefix cache held (the first segment, then a PrefixSegment)
+    approximate_prefix_tokens: int = 0  # of them, those from approximate blocks (an earlier blend's K/V)
     segment_tokens: int = 0  # tokens of spans after the chunks whose K/V an earlier request left
     segment_hits: int = 0  # such spans (cached segments, but not chunks: not counted as cache hits)
     # [start, end) of the fresh spans after the first chunk, as the prompt split them: kept for the next
@@ -77,7 +86,10 @@ class Served:
                          prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
                          prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
                          prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions,
-                         prefix_cache_partial_blocks=held.partial_blocks)
+                         prefix_cache_partial_blocks=held.partial_blocks,
+                         prefix_cache_approximate_blocks=held.approximate_blocks,
+                         prefix_cache_approximate_bytes=held.approximate_bytes,
+                         prefix_cache_approximate_hit_tokens=held.approximate_hit_tokens)
         stats["segment_tokens"] = self.prompt.segment_tokens
         if self.prompt.segment_hits and stats["mode"] != "full_prefill":
             stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)
@@ -133,10 +145,14 @@ class BlendService:
         return self.scheduler.run_job(with_progress(steps, show_progress)).result()
 
     # ------------------------------------------------------------- prompts
-    def prepare(self, prompt: str, *, reuse: bool = True) -> PreparedPrompt:
+    def prepare(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None) -> PreparedPrompt:
         """``prompt`` as segments: announced chunk texts found verbatim become stored chunks (computed
         behind the cache's prefix), everything else fresh text, with the ids the whole prompt
-        tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model)."""
+        tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model).
+
+        ``blend``: the request's configuration. The prefix cache's approximate blocks are taken only
+        when it is given, its ``recompute_ratio`` is below 1.0 and the prompt holds a chunk (see the
+        module); without it, exact blocks only."""
         if not reuse:
             return PreparedPrompt([FreshSegment(self.engine.tokenize(prompt))], 0, 0,
                                   "chunk KV reuse is off (reuse_chunk_kv=False)")
@@ -144,8 +160,10 @@ class BlendService:
         segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
         found = set(split.found)
         reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
-        segments = self._with_cached_prefix(segments)
+        approximate = bool(split.found) and blend is not None and blend.recompute_ratio < 1.0
+        segments = self._with_cached_prefix(segments, approximate=approximate)
         segments, reused, spans = self._with_cached_spans(segments)
+        prefix = segments[0] if segments and isinstance(segments[0], PrefixSegment) else None
         return PreparedPrompt(
             segments=segments,
             chunks_found=len(split.found),
@@ -153,20 +171,23 @@ class BlendService:
             # truncated, or, in refine mode, simply handled by another call).
             chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
             reason=reason,
-            prefix_tokens=len(segments[0].token_ids) if segments and isinstance(segments[0], PrefixSegment) else 0,
+            prefix_tokens=0 if prefix is None else len(prefix),
+            approximate_prefix_tokens=0 if prefix is None else prefix.approximate_tokens,
             segment_tokens=reused, spans=spans,
             segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
 
-    def _with_cached_prefix(self, segments: list[Segment]) -> list[Segment]:
-        """``segments`` opened by the longest prefix of their token ids the prefix cache holds. The ids
-        are the ones the blend sees (the whole prompt's where the tokenizer allows), so block
-        boundaries are token boundaries of this prompt. A chunk the prefix ends inside keeps its tail
-        as fresh tokens: its stored K/V is the whole chunk's, at its own start."""
+    def _with_cached_prefix(self, segments: list[Segment], *, approximate: bool = False) -> list[Segment]:
+        """``segments`` opened by the longest prefix of their token ids the prefix cache holds (exact
+        blocks only unless ``approximate``). The ids are the ones the blend sees (the whole prompt's
+        where the tokenizer allows), so block boundaries are token boundaries of this prompt. A chunk
+        the prefix ends inside keeps its tail as fresh tokens: its stored K/V is the whole chunk's, at
+        its own start."""
         cache = self.prefix_cache
         if cache is None or not cache.enabled or not segments:
             return segments
-        hit = cache.match([t for s in segments for t in s.token_ids], self.engine.fingerprint)
+        hit = cache.match([t for s in segments for t in s.token_ids], self.engine.fingerprint,
+                          approximate=approximate)
         if hit is None:
             return segments
         m, rest, offset = len(hit.token_ids), [], 0
@@ -208,18 +229,22 @@ class BlendService:
         return out, reused, spans
 
     def _after(self, decoding: Decoding, prepared: PreparedPrompt) -> None:
-        """After a request, on the worker: its exact K/V into the prefix cache (the answer's too when the
-        whole prompt was exact, so the next turn of a chat, which opens with this prompt and answer,
-        finds them), and its spans after the chunks into the segment cache."""
+        """After a request, on the worker: its K/V into the prefix cache, prompt and answer (the next turn
+        of a chat opens with both): the exact part as exact blocks, the rest, when the prompt was not
+        all exact, as approximate blocks; and its spans after the chunks into the segment cache."""
         try:
             ids, keys, values = decoding.held_kv()
             if not ids:
                 return
             if self.prefix_cache is not None and self.prefix_cache.enabled:
                 exact = decoding.stats.exact_kv_tokens
-                # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
-                kept = ids[:exact] if exact < decoding.prompt_tokens else ids
-                self.prefix_cache.insert(kept, keys, values, self.engine.fingerprint)
+                fingerprint = self.engine.fingerprint
+                if exact < decoding.prompt_tokens:
+                    # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
+                    self.prefix_cache.insert(ids[:exact], keys, values, fingerprint)
+                    self.prefix_cache.insert(ids, keys, values, fingerprint, approximate=True)
+                else:
+                    self.prefix_cache.insert(ids, keys, values, fingerprint)
             if self.segment_cache is not None and prepared.spans:
                 self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens)
         except Exception:  # keeping K/V is an optimisation: it never fails the request
@@ -278,7 +303,7 @@ class BlendService:
         prepared: list[PreparedPrompt] = []
 
         def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
-            prepared.append(self.prepare(prompt, reuse=reuse))
+            prepared.append(self.prepare(prompt, reuse=reuse, blend=blend))
             decoding = start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
                                       started=submitted)
             if reuse and (self.prefix_cache is not None or self.segment_cache is not None):

@@ -195,9 +195,12 @@ def test_cache_stats_counts_prefix_blocks_apart_from_chunks(engine, tmp_path, ca
 
 
 # --------------------------------------------------------------------------- spans after the chunks
-def rag_chat(engine, history, question):
+OTHER_CHUNK = "Albert Einstein was a physicist who developed the theory of relativity in Bern and Berlin."
+
+
+def rag_chat(engine, history, question, chunk=CHUNK):
     """A CondensePlusContext-like prompt: the lead, the context, the app's system prompt, the history."""
-    system = (f"The following is a friendly conversation between a user and an AI assistant.\n{CHUNK}\n\n"
+    system = (f"The following is a friendly conversation between a user and an AI assistant.\n{chunk}\n\n"
               f"{SYSTEM} Always answer in one short sentence, and say so when the context does not say.")
     return chat(engine, [{"role": "system", "content": system}, *history, {"role": "user", "content": question}])
 
@@ -207,13 +210,16 @@ def test_the_system_prompt_and_earlier_turns_after_the_chunks_come_back_as_a_cac
 
     spans = SegmentCache(1 << 24, fingerprint=engine.fingerprint)
     service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), PrefixCache(1 << 24), spans)
-    service.announce([CHUNK])
+    service.announce([CHUNK, OTHER_CHUNK])
     first = service.generate(rag_chat(engine, [], "Who won two Nobel prizes?"), GREEDY, BLEND)
     assert first.prompt.segment_tokens == 0 and spans.stats().entries == 1
     history = [{"role": "user", "content": "Who won two Nobel prizes?"},
                {"role": "assistant", "content": first.result.text}]
-    prompt = rag_chat(engine, history, "Where did she work?")
-    prepared = service.prepare(prompt)
+    # The context retrieved anew for turn 2 (as CondensePlusContext does): the prompt differs from turn 1's
+    # at the chunk, so the prefix cache's approximate blocks of turn 1 reach no further than the lead.
+    prompt = rag_chat(engine, history, "Where did she work?", chunk=OTHER_CHUNK)
+    prepared = service.prepare(prompt, blend=BLEND)
+    assert prepared.approximate_prefix_tokens == 0
     kinds = [type(s).__name__ for s in prepared.segments]
     assert kinds[-3:] == ["StoredSegment", "CachedSegment", "FreshSegment"], kinds
     span = prepared.segments[-2]
@@ -223,7 +229,7 @@ def test_the_system_prompt_and_earlier_turns_after_the_chunks_come_back_as_a_cac
     assert stats["segment_tokens"] == prepared.segment_tokens and stats["segment_cache_hits"] >= 1
     # Blended like a chunk, never taken for exact K/V: the exact prefix ends before the context.
     assert stats["exact_tokens"] == second.prompt.prefix_tokens
-    assert stats["cached_tokens"] == stats["exact_tokens"] + len(engine.tokenize(CHUNK)) + stats["segment_tokens"]
+    assert stats["cached_tokens"] == stats["exact_tokens"] + len(engine.tokenize(OTHER_CHUNK)) + stats["segment_tokens"]
     exact = engine.blend(prepared.segments, config=BlendConfig(recompute_ratio=1.0), store=service.chunk_cache)
     full = engine.full_prefill([t for s in prepared.segments for t in s.token_ids])
     torch.testing.assert_close(exact.logits, full.logits, atol=1e-5, rtol=1e-5)
@@ -246,3 +252,154 @@ def test_segment_cache_keeps_the_longest_span_within_its_bound(engine):
     assert cache.match(list(range(25)), "other model") is None
     assert cache.remember(list(range(100, 140)), *kv(40), "fp")  # over the bound with the first: evicts it
     assert cache.stats().entries == 1 and cache.stats().evictions == 1 and cache.stats().bytes <= cache.max_bytes
+
+
+# --------------------------------------------------------------------------- a blended request's K/V, approximate
+CHUNKS2 = ["Paris is the capital of France and its largest city, on the river Seine in the north of the country.",
+           "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean near the equator."]
+EXACT = BlendConfig(recompute_ratio=1.0, min_blend_tokens=0)
+
+
+def rag_turns(engine, first_answer):
+    """Two turns of a chat whose retrieved chunks sit in each user message (bench_chat's layout)."""
+    turn1 = [{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": f"Passages:\n{CHUNK}\n\nWho won two Nobel prizes?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": first_answer},
+                     {"role": "user", "content": f"Passages:\n{CHUNKS2[0]}\n\nWhat is the capital of France?"}]
+    return chat(engine, turn1), chat(engine, turn2)
+
+
+def first_turn(engine, service):
+    service.announce([CHUNK, *CHUNKS2])
+    turn1, _ = rag_turns(engine, "")
+    first = service.generate(turn1, GREEDY, BLEND)
+    assert first.result.stats.mode == "blend"
+    _, turn2 = rag_turns(engine, first.result.text)
+    held = engine.tokenize(turn1) + first.result.token_ids[:-1]  # the last answer token was sampled, never fed
+    return first, turn2, held
+
+
+def test_turn_two_of_a_rag_chat_reuses_turn_one_blended_prompt_and_answer_as_approximate_blocks(engine):
+    cache = PrefixCache(1 << 24)
+    service = service_of(engine, cache)
+    first, turn2, held = first_turn(engine, service)
+    exact_kv = first.result.stats.exact_kv_tokens
+    assert 0 < exact_kv < first.result.prompt_tokens  # the lead before the chunk: exact; the rest blended
+    after = first.stats()
+    assert after["prefix_cache_approximate_blocks"] > 0 and after["prefix_cache_approximate_bytes"] > 0
+    ids2 = engine.tokenize(turn2)
+    expected = min(common_prefix(held, ids2), len(ids2) - 1)
+    assert expected >= len(engine.tokenize(rag_turns(engine, "")[0]))  # the whole previous prompt, at least
+    second = service.generate(turn2, GREEDY, BLEND)
+    stats = second.stats()
+    exact = exact_kv // 16 * 16  # the block the exact part ends in holds blended tokens too: approximate
+    assert second.prompt.prefix_tokens == stats["prefix_tokens"] == expected
+    assert second.prompt.approximate_prefix_tokens == stats["approximate_prefix_tokens"] == expected - exact
+    assert stats["exact_tokens"] == exact and stats["exact_kv_tokens"] == exact
+    # Only the new chunk is blended: the history is reused as is, outside the budget.
+    new_chunk = sum(len(s.token_ids) for s in second.prompt.segments[1:] if type(s).__name__ == "StoredSegment")
+    assert new_chunk > 0 and stats["cached_tokens"] == expected + new_chunk
+    from cacheblend_rag.engine.selection import selection_budget
+    assert stats["recomputed_tokens"] == selection_budget(BLEND.recompute_ratio, new_chunk)
+    assert stats["prefix_cache_approximate_hit_tokens"] == expected - exact
+    # Without the approximate blocks (exact ones only), the history after the lead is blended again.
+    exact_only = service.prepare(turn2)
+    assert exact_only.approximate_prefix_tokens == 0 and exact_only.prefix_tokens == exact_kv
+
+
+def test_approximate_blocks_are_ignored_at_ratio_one_full_prefill_and_reuse_off(engine):
+    cache = PrefixCache(1 << 24)
+    service = service_of(engine, cache)
+    first, turn2, _ = first_turn(engine, service)
+    exact_kv = first.result.stats.exact_kv_tokens
+    assert cache.stats().approximate_blocks > 0
+    prepared = service.prepare(turn2, blend=EXACT)
+    assert prepared.prefix_tokens == exact_kv and prepared.approximate_prefix_tokens == 0
+    assert service.prepare(turn2, blend=BLEND).approximate_prefix_tokens > 0  # they are there
+    ids2 = engine.tokenize(turn2)
+    assert [t for s in prepared.segments for t in s.token_ids] == ids2
+    exact = engine.blend(prepared.segments, config=EXACT, store=service.chunk_cache)
+    assert exact.stats.exact_kv_tokens == len(ids2) and exact.stats.approximate_prefix_tokens == 0
+    torch.testing.assert_close(exact.logits, engine.full_prefill(ids2).logits, atol=1e-5, rtol=1e-5)
+    # Bit for bit what a cache that never held an approximate block gives.
+    clean = PrefixCache(1 << 24)
+    held_exact = service_of(engine, clean)
+    held_exact.announce([CHUNK, *CHUNKS2])
+    hit = cache.match(ids2, engine.fingerprint)
+    clean.insert(hit.token_ids, [hit.kv[layer, 0][None] for layer in range(engine.num_layers)],
+                 [hit.kv[layer, 1][None] for layer in range(engine.num_layers)], engine.fingerprint)
+    again = engine.blend(held_exact.prepare(turn2, blend=EXACT).segments, config=EXACT, store=service.chunk_cache)
+    assert torch.equal(exact.logits, again.logits)
+    served = service.generate(turn2, GREEDY, EXACT)
+    assert served.stats()["approximate_prefix_tokens"] == 0
+    assert served.result.token_ids == engine.generate([ids2], GREEDY).token_ids
+    # A prompt with no chunk in it (answered by full prefill) takes exact blocks only, at any ratio.
+    no_chunk = turn2.replace(CHUNKS2[0], "The weather is fine.")
+    assert service.prepare(no_chunk, blend=BLEND).approximate_prefix_tokens == 0
+    assert service.generate(no_chunk, GREEDY, BLEND).stats()["approximate_prefix_tokens"] == 0
+    plain = service.generate(turn2, GREEDY, BLEND, reuse=False)
+    assert plain.prompt.prefix_tokens == 0 and plain.stats()["approximate_prefix_tokens"] == 0
+
+
+def test_approximate_blocks_keep_their_flag_through_a_shared_store(engine):
+    from cacheblend_rag.engine.prefix_cache import block_keys
+    from cacheblend_rag.store.prefix_blocks import APPROXIMATE_BLOCK_KEY_PREFIX
+
+    store = MemoryKVStore()
+    writer_cache = ChunkCache(engine, store)
+    writer = PrefixCache(1 << 24, backing=StorePrefixBlocks(writer_cache))
+    first, turn2, held = first_turn(engine, BlendService(engine, writer_cache, AnnouncedChunks(8), writer))
+    writer_cache.flush()
+    approx_names = [k for k in store.keys() if k.startswith(APPROXIMATE_BLOCK_KEY_PREFIX)]
+    exact_names = [k for k in store.keys() if k.startswith(BLOCK_KEY_PREFIX) and k not in approx_names]
+    exact_full = first.result.stats.exact_kv_tokens // 16  # full exact blocks; partial ones stay in memory
+    assert len(exact_names) == exact_full >= 1 and len(approx_names) == len(held) // 16 - exact_full >= 1
+
+    def replica():
+        chunk_cache = ChunkCache(engine, store)
+        service = BlendService(engine, chunk_cache, AnnouncedChunks(8), PrefixCache(1 << 24,
+                               backing=StorePrefixBlocks(chunk_cache)))
+        service.announce([CHUNK, *CHUNKS2])
+        return service
+
+    ids2 = engine.tokenize(turn2)
+    reach = min(common_prefix(held, ids2), len(ids2) - 1) // 16 * 16  # full blocks only, from the store
+    both = replica().prepare(turn2, blend=BLEND)
+    assert both.prefix_tokens == reach and both.approximate_prefix_tokens == reach - 16 * exact_full
+    only_exact = replica().prepare(turn2, blend=EXACT)
+    assert only_exact.prefix_tokens == 16 * exact_full and only_exact.approximate_prefix_tokens == 0
+    # An approximate entry copied under the exact name fails the manifest's key check: never read as exact.
+    chain = block_keys(engine.fingerprint, ids2, 16)
+    source, target = APPROXIMATE_BLOCK_KEY_PREFIX + chain[exact_full], BLOCK_KEY_PREFIX + chain[exact_full]
+    manifest = peek_manifest(store.get_manifest(source))
+    for layer in range(manifest.num_layers):
+        store.put_layer(target, manifest.write_id, layer, store.get_layer(source, manifest.write_id, layer))
+    assert store.add_manifest(target, store.get_manifest(source))
+    corrupt = store.stats().corrupt
+    assert replica().prepare(turn2, blend=EXACT).prefix_tokens == 16 * exact_full
+    assert store.stats().corrupt == corrupt + 1 and not store.contains(target)
+    assert replica().prepare(turn2, blend=BLEND).approximate_prefix_tokens == reach - 16 * exact_full
+
+
+def test_both_integrations_report_approximate_prefix_tokens_in_a_rag_chat(engine):
+    from langchain_core.messages import AIMessage, SystemMessage
+    from llama_index.core.llms import ChatMessage
+
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=4, recompute_ratio=0.15, min_blend_tokens=0)
+    llm.precompute([CHUNK, *CHUNKS2])
+    llm.announce_chunks([CHUNK, *CHUNKS2])
+    user1 = f"Passages:\n{CHUNK}\n\nWho won two Nobel prizes?"
+    user2 = f"Passages:\n{CHUNKS2[0]}\n\nWhat is the capital of France?"
+    messages = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=user1)]
+    answer = llm.chat(messages).message.content
+    messages += [ChatMessage(role="assistant", content=answer), ChatMessage(role="user", content=user2)]
+    stats = llm.chat(messages).additional_kwargs
+    assert stats["approximate_prefix_tokens"] > 0 and stats["prefix_cache_approximate_blocks"] > 0
+    assert stats["exact_tokens"] + stats["approximate_prefix_tokens"] == stats["prefix_tokens"]
+    chat_model = ChatCacheBlend(engine=engine, max_tokens=4, recompute_ratio=0.15, min_blend_tokens=0)
+    chat_model.announce_chunks([CHUNK, *CHUNKS2])
+    lc = [SystemMessage(content=SYSTEM), HumanMessage(content=user1)]
+    reply = chat_model.invoke(lc)
+    meta = chat_model.invoke(lc + [AIMessage(content=reply.content), HumanMessage(content=user2)]).response_metadata
+    assert "approximate_prefix_tokens" in meta and "prefix_cache_approximate_blocks" in meta
+    assert meta["exact_tokens"] + meta["approximate_prefix_tokens"] == meta["prefix_tokens"]
