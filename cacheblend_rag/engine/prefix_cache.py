@@ -51,8 +51,10 @@ after them, so it can be reused as is, as vLLM's prefix cache and SGLang's radix
     to the store under its exact key) and supersedes approximate partial blocks it extends. Where
     both an exact partial block and an approximate block continue the same parent, a match that
     allows approximate blocks prefers the exact one unless the approximate one reaches further.
-  - The block in which a request's exact part ends is approximate (it holds blended tokens too),
-    so a match reports up to ``block_size - 1`` exact tokens as approximate there.
+  - The block in which a request's exact part ends is approximate (it holds blended tokens too); the
+    exact part's tail is an exact partial block beside it. A match that meets the approximate block
+    takes the tokens that exact partial block shares with the prompt from it, so the exact part of
+    a hit reaches to the token as before.
   - The blend configuration is not part of the key: the next turn of one conversation uses the
     same ratio and selection, and an approximate block is an earlier blend's output either way.
     Exactness is guarded by who may read them (ratio < 1.0), not by the key.
@@ -255,8 +257,16 @@ class PrefixCache:
                 n += partial[0].shape[3]
                 with self._lock:
                     self._counts.partial_hits += 1
-        # From the first approximate block on, every token is approximate (it attended to approximate K/V).
-        exact = next((i * self.block_size for i, flag in enumerate(flags) if flag), n)
+        # From the first approximate block on, every token is approximate (it attended to approximate K/V),
+        # but where an exact partial block continues the same parent, its tokens are taken from it.
+        first = next((i for i, flag in enumerate(flags) if flag), None)
+        exact, overlay = n, None
+        if first is not None:
+            exact = first * self.block_size
+            under = keys[first - 1] if first else root_key(fingerprint, salt)
+            overlay = self._match_partial(under, ids[exact:n], False)
+            if overlay is not None:
+                exact += overlay[0].shape[3]
         with self._lock:
             self._counts.queried_tokens += limit
             if parts:
@@ -268,6 +278,10 @@ class PrefixCache:
         if not parts:
             return None
         kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+        if overlay is not None:
+            start = exact - overlay[0].shape[3]
+            kv = kv.clone() if len(parts) == 1 else kv  # never write into a held block
+            kv[:, :, :, start:exact] = overlay[0]
         return PrefixSegment(ids[:n], kv, fingerprint, approximate_tokens=n - exact)
 
     def _match_partial(self, under: str, rest: Sequence[int], approximate: bool) -> tuple[torch.Tensor, bool] | None:

@@ -139,6 +139,13 @@ class PrefixSegment:
         """Its leading tokens whose K/V is full prefill's."""
         return len(self.token_ids) - self.approximate_tokens
 
+    def cut(self, n: int) -> "PrefixSegment":
+        """Its first ``n`` tokens (itself if that is all of them)."""
+        if n >= len(self.token_ids):
+            return self
+        return PrefixSegment(self.token_ids[:n], self.kv[:, :, :, :n], self.model_fingerprint,
+                             approximate_tokens=max(0, n - self.exact_tokens))
+
 
 Segment = Union[FreshSegment, CachedSegment, StoredSegment, PrefixSegment]
 SegmentLike = Union[Segment, ChunkKV, Sequence[int]]

@@ -73,17 +73,10 @@ class SegmentCache:
     def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None) -> ChunkKV | None:
         """The remembered K/V of the longest opening of ``token_ids`` (at most ``max_tokens``) that a kept
         span shares, if it is at least ``min_tokens`` long; ``None`` otherwise."""
-        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        if fingerprint != self.fingerprint or limit < self.min_tokens:
-            return None
-        ids = tuple(token_ids[:limit])
+        ids = self._query(token_ids, fingerprint, max_tokens)
         with self._lock:
-            best, length = None, 0
-            for key in self._spans:
-                n = _common_length(key, ids)
-                if n > length:
-                    best, length = key, n
-            if best is None or length < self.min_tokens:
+            best, length = self._best_locked(ids)
+            if best is None:
                 return None
             self._spans.move_to_end(best)
             chunk = self._spans[best]
@@ -91,6 +84,26 @@ class SegmentCache:
             self._counts.hit_tokens += length
         return ChunkKV(ids[:length], [k[:, :length] for k in chunk.keys], [v[:, :length] for v in chunk.values],
                        model_fingerprint=chunk.model_fingerprint, approximate=True)
+
+    def reach(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None) -> int:
+        """How many tokens :meth:`match` would reuse (0 for none), touching nothing and counting nothing."""
+        ids = self._query(token_ids, fingerprint, max_tokens)
+        with self._lock:
+            return self._best_locked(ids)[1]
+
+    def _query(self, token_ids: Sequence[int], fingerprint: str, max_tokens: int | None) -> tuple[int, ...]:
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        return tuple(token_ids[:limit]) if fingerprint == self.fingerprint and limit >= self.min_tokens else ()
+
+    def _best_locked(self, ids: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
+        """The kept span sharing the longest opening with ``ids`` and its length; ``(None, 0)`` if none
+        shares ``min_tokens``."""
+        best, length = None, 0
+        for key in self._spans if ids else ():
+            n = _common_length(key, ids)
+            if n > length:
+                best, length = key, n
+        return (best, length) if best is not None and length >= self.min_tokens else (None, 0)
 
     def remember(self, token_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  fingerprint: str) -> bool:

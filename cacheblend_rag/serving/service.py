@@ -161,8 +161,9 @@ class BlendService:
         found = set(split.found)
         reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
         approximate = bool(split.found) and blend is not None and blend.recompute_ratio < 1.0
-        segments = self._with_cached_prefix(segments, approximate=approximate)
-        segments, reused, spans = self._with_cached_spans(segments)
+        spans = self._spans_after_chunks(segments)
+        segments = self._with_cached_prefix(segments, spans, approximate=approximate)
+        segments, reused = self._with_cached_spans(segments, spans)
         prefix = segments[0] if segments and isinstance(segments[0], PrefixSegment) else None
         return PreparedPrompt(
             segments=segments,
@@ -177,19 +178,28 @@ class BlendService:
             segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
 
-    def _with_cached_prefix(self, segments: list[Segment], *, approximate: bool = False) -> list[Segment]:
+    def _with_cached_prefix(self, segments: list[Segment], spans: list[tuple[int, int]], *,
+                            approximate: bool = False) -> list[Segment]:
         """``segments`` opened by the longest prefix of their token ids the prefix cache holds (exact
         blocks only unless ``approximate``). The ids are the ones the blend sees (the whole prompt's
         where the tokenizer allows), so block boundaries are token boundaries of this prompt. A chunk
         the prefix ends inside keeps its tail as fresh tokens: its stored K/V is the whole chunk's, at
-        its own start."""
+        its own start.
+
+        An approximate prefix is cut back (no further than its exact part) to the start of a chunk it
+        would end inside, and to the start of a span after the chunks (``spans``) it would end inside
+        where the segment cache holds more of that span: the chunks of two turns often open alike (a
+        title, a template's "Source:"), and another conversation's blocks can reach into this one's
+        history; a few approximate tokens are not worth computing the rest of the chunk or span fresh."""
         cache = self.prefix_cache
         if cache is None or not cache.enabled or not segments:
             return segments
-        hit = cache.match([t for s in segments for t in s.token_ids], self.engine.fingerprint,
-                          approximate=approximate)
+        ids = [t for s in segments for t in s.token_ids]
+        hit = cache.match(ids, self.engine.fingerprint, approximate=approximate)
         if hit is None:
             return segments
+        if hit.approximate_tokens:
+            hit = hit.cut(self._approximate_end(len(hit), hit.exact_tokens, segments, spans, ids))
         m, rest, offset = len(hit.token_ids), [], 0
         for s in segments:
             end = offset + len(s.token_ids)
@@ -198,23 +208,54 @@ class BlendService:
             elif end > m:
                 rest.append(FreshSegment(s.token_ids[m - offset:]))
             offset = end
-        return [hit, *rest]
+        return [hit, *rest] if m else segments
 
-    def _with_cached_spans(self, segments: list[Segment]) -> tuple[list[Segment], int, list[tuple[int, int]]]:
-        """Fresh spans after the first chunk that open with a span an earlier request computed become
-        that span's cached segment and a fresh rest (the last keeps at least its last token fresh).
-        Returns the segments, the tokens reused and where the fresh spans lie (to keep them after)."""
-        cache = self.segment_cache
-        out: list[Segment] = []
+    def _approximate_end(self, m: int, exact: int, segments: list[Segment], spans: list[tuple[int, int]],
+                         ids: list[int]) -> int:
+        """Where an approximate prefix of ``m`` tokens (``exact`` of them exact) should end (see above)."""
+        offset = 0
+        for s in segments:
+            end = offset + len(s.token_ids)
+            if offset < m < end and isinstance(s, (StoredSegment, CachedSegment)):
+                return max(offset, exact)
+            offset = end
+        if self.segment_cache is not None:
+            for a, b in spans:
+                if exact <= a < m < b:
+                    limit = b - a - 1 if b == len(ids) else b - a
+                    if self.segment_cache.reach(ids[a:b], self.engine.fingerprint, max_tokens=limit) > m - a:
+                        return a
+        return m
+
+    def _spans_after_chunks(self, segments: list[Segment]) -> list[tuple[int, int]]:
+        """[start, end) of the fresh spans after the first chunk of the prompt as it was split, before
+        any cache replaced part of it (so even where this request takes them from the prefix cache, a
+        chat's history reused as approximate blocks): the spans the segment cache is asked for, and
+        keeps after the request."""
+        if self.segment_cache is None:
+            return []
         spans: list[tuple[int, int]] = []
-        reused = offset = 0
-        after_chunk = False
-        for index, s in enumerate(segments):
+        offset, after_chunk = 0, False
+        for s in segments:
             n = len(s.token_ids)
             if isinstance(s, (StoredSegment, CachedSegment)):
                 after_chunk = True
-            elif isinstance(s, FreshSegment) and after_chunk and cache is not None:
+            elif isinstance(s, FreshSegment) and after_chunk:
                 spans.append((offset, offset + n))
+            offset += n
+        return spans
+
+    def _with_cached_spans(self, segments: list[Segment], spans: list[tuple[int, int]]) -> tuple[list[Segment], int]:
+        """Fresh segments that are whole ``spans`` and open with a span an earlier request computed
+        become that span's cached segment and a fresh rest (the last keeps at least its last token
+        fresh). Returns the segments and the tokens reused."""
+        cache = self.segment_cache
+        starts = {start for start, _ in spans}
+        out: list[Segment] = []
+        reused = offset = 0
+        for index, s in enumerate(segments):
+            n = len(s.token_ids)
+            if cache is not None and isinstance(s, FreshSegment) and offset in starts:
                 last = index == len(segments) - 1
                 hit = cache.match(s.token_ids, self.engine.fingerprint, max_tokens=n - 1 if last else n)
                 if hit is not None:
@@ -226,7 +267,7 @@ class BlendService:
                     continue
             out.append(s)
             offset += n
-        return out, reused, spans
+        return out, reused
 
     def _after(self, decoding: Decoding, prepared: PreparedPrompt) -> None:
         """After a request, on the worker: its K/V into the prefix cache, prompt and answer (the next turn

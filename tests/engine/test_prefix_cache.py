@@ -203,18 +203,19 @@ def test_approximate_blocks_are_matched_only_when_asked_and_count_as_approximate
     assert exact.token_ids == tuple(ids[:6]) and exact.approximate_tokens == 0 and exact.exact_tokens == 6
     assert torch.equal(exact.kv[0, 0], exact_kv[0][0][0, :, :6])
     both = cache.match(ids + [99], "fp", approximate=True)
-    assert both.token_ids == tuple(ids) and both.approximate_tokens == 10 and both.exact_tokens == 4
-    assert torch.equal(both.kv[1, 0, :, :4], exact_kv[0][1][0, :, :4])  # block 0 is the exact one
-    assert torch.equal(both.kv[1, 1, :, 4:], blended_kv[1][1][0, :, 4:14])
+    # Block 1 is approximate, but its first 2 tokens are the exact partial block's: exact to the token.
+    assert both.token_ids == tuple(ids) and both.approximate_tokens == 8 and both.exact_tokens == 6
+    assert torch.equal(both.kv[1, 0, :, :6], exact_kv[0][1][0, :, :6])
+    assert torch.equal(both.kv[1, 1, :, 6:], blended_kv[1][1][0, :, 6:14])
     # Diverging inside block 1: the exact partial block and the approximate full one agree on 2 tokens,
     # and the exact one is taken.
     tie = cache.match(ids[:6] + [0, 0, 0], "fp", approximate=True)
     assert tie.token_ids == tuple(ids[:6]) and tie.approximate_tokens == 0
-    assert cache.match(ids[:7] + [0, 0], "fp", approximate=True).approximate_tokens == 3  # the approximate one reaches further
+    assert cache.match(ids[:7] + [0, 0], "fp", approximate=True).approximate_tokens == 1  # the approximate one reaches further
     stats = cache.stats()
     assert (stats.blocks, stats.partial_blocks, stats.approximate_blocks) == (5, 2, 3)
     assert stats.approximate_bytes == 2 * block_bytes() + block_bytes() // 2
-    assert stats.approximate_hit_tokens == 10 + 3 and stats.hit_tokens == 6 + 14 + 6 + 7
+    assert stats.approximate_hit_tokens == 8 + 1 and stats.hit_tokens == 6 + 14 + 6 + 7
 
 
 def test_exact_blocks_win_over_approximate_ones_and_upgrade_them_in_place():
@@ -241,7 +242,7 @@ def test_exact_blocks_win_over_approximate_ones_and_upgrade_them_in_place():
     assert small.insert([1, 2], *other_kv, "fp", approximate=True) == 0  # covered
     assert (small.stats().partial_blocks, small.stats().approximate_blocks) == (2, 1)
     assert small.match([1, 2, 3, 9], "fp").token_ids == (1, 2)
-    assert small.match([1, 2, 3, 9], "fp", approximate=True).approximate_tokens == 3
+    assert small.match([1, 2, 3, 9], "fp", approximate=True).approximate_tokens == 1  # (1, 2) from the exact one
     assert small.insert([1, 2, 3], *exact_kv, "fp") == 1  # exact now: the approximate one is replaced
     assert (small.stats().partial_blocks, small.stats().approximate_blocks) == (1, 0)
     exact_hit = small.match([1, 2, 3, 9], "fp", approximate=True)
@@ -373,7 +374,7 @@ def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_c
     assert cache.match(turn2, engine.fingerprint).token_ids == tuple(lead)  # exact only: the lead
     hit = cache.match(turn2, engine.fingerprint, approximate=True)
     m = len(hit)
-    exact = len(lead) // 16 * 16  # the block the lead ends in holds blended tokens: approximate
+    exact = len(lead)  # the block the lead ends in is approximate, the lead's tail comes from its exact partial block
     assert m == len(full_ids) and hit.approximate_tokens == m - exact
     segments = [hit, CachedSegment(new_chunk), FreshSegment(question)]
     out = engine.blend(segments, config=cfg)

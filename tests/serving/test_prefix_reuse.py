@@ -292,7 +292,7 @@ def test_turn_two_of_a_rag_chat_reuses_turn_one_blended_prompt_and_answer_as_app
     assert expected >= len(engine.tokenize(rag_turns(engine, "")[0]))  # the whole previous prompt, at least
     second = service.generate(turn2, GREEDY, BLEND)
     stats = second.stats()
-    exact = exact_kv // 16 * 16  # the block the exact part ends in holds blended tokens too: approximate
+    exact = exact_kv  # to the token: the exact part's tail comes from its exact partial block
     assert second.prompt.prefix_tokens == stats["prefix_tokens"] == expected
     assert second.prompt.approximate_prefix_tokens == stats["approximate_prefix_tokens"] == expected - exact
     assert stats["exact_tokens"] == exact and stats["exact_kv_tokens"] == exact
@@ -403,3 +403,35 @@ def test_both_integrations_report_approximate_prefix_tokens_in_a_rag_chat(engine
     meta = chat_model.invoke(lc + [AIMessage(content=reply.content), HumanMessage(content=user2)]).response_metadata
     assert "approximate_prefix_tokens" in meta and "prefix_cache_approximate_blocks" in meta
     assert meta["exact_tokens"] + meta["approximate_prefix_tokens"] == meta["prefix_tokens"]
+
+
+def test_an_approximate_prefix_is_cut_back_to_a_chunk_or_span_it_would_end_inside(engine):
+    """Approximate blocks of one prompt that reach a few tokens into another prompt's chunk (two chunks
+    that open alike), or into its history after the chunks where the segment cache holds more of it,
+    end where that chunk or span starts: the chunk is blended whole, the span comes from the segment cache."""
+    from cacheblend_rag.engine.segments import CachedSegment, StoredSegment
+    from cacheblend_rag.serving.segment_cache import SegmentCache
+
+    alike = "Marie Curie was born in Warsaw, the capital of Poland, and moved to Paris to study physics."
+    spans = SegmentCache(1 << 24, fingerprint=engine.fingerprint)
+    service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), PrefixCache(1 << 24), spans)
+    service.announce([CHUNK, alike, OTHER_CHUNK])
+    service.generate(rag_chat(engine, [], "Who won two Nobel prizes?"), GREEDY, BLEND)
+    prepared = service.prepare(rag_chat(engine, [], "Where was she born?", chunk=alike), blend=BLEND)
+    chunk_at = [i for i, s in enumerate(prepared.segments) if isinstance(s, StoredSegment)]
+    assert chunk_at and prepared.segments[chunk_at[0]].token_ids == tuple(engine.tokenize(alike))
+    assert prepared.approximate_prefix_tokens == 0 and prepared.prefix_tokens == prepared.segments[0].exact_tokens
+    # The history: another conversation's blocks reach into it (same chunk, same first question), but
+    # this conversation's own span, kept by the segment cache from a prompt with another chunk, reaches further.
+    history = [{"role": "user", "content": "Who won two Nobel prizes?"},
+               {"role": "assistant", "content": "Marie Curie did, in physics and in chemistry."}]
+    service.generate(rag_chat(engine, history, "Where did she work?", chunk=OTHER_CHUNK), GREEDY, BLEND)
+    prompt = rag_chat(engine, history + [{"role": "user", "content": "Where did she work?"},
+                                         {"role": "assistant", "content": "In Paris."}], "And where was she born?")
+    ids = engine.tokenize(prompt)
+    uncut = service.prefix_cache.match(ids, engine.fingerprint, approximate=True)
+    prepared = service.prepare(prompt, blend=BLEND)
+    span_start = len(engine.tokenize(rag_chat(engine, [], "x").split(CHUNK)[0])) + len(engine.tokenize(CHUNK))
+    assert prepared.prefix_tokens == span_start < len(uncut)  # lead and chunk: reused as is, approximate
+    assert isinstance(prepared.segments[1], CachedSegment) and prepared.segments[1].chunk.approximate
+    assert span_start + prepared.segment_tokens > len(uncut)
