@@ -24,7 +24,10 @@ The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engi
   is announced to it, so its LLM warns once per conversation that no chunk text was announced);
 * ``blending``: chunk blending alone, as before the prefix cache (issue 31's "today");
 * ``prefix+blending``: both, with the segment cache on (``--segment-cache-bytes``, ``--segment-ratio``; the
-  integrations turn it on by default, 64MB): earlier turns after the first chunk are blended like chunks.
+  integrations turn it on by default, 64MB): the prefix cache keeps each turn's blended K/V (prompt
+  and answer) as approximate blocks, so from turn 2 on the whole previous request is reused as is
+  (``approximate_prefix_tokens``; ``exact_tokens`` is the system prompt) and only the new message is
+  blended; spans after the chunks that no prefix reaches are blended like chunks.
 
 Per turn the methods take turns (their order rotates from turn to turn), one timed ``chat`` call each:
 TTFT is the response's ``ttft_s`` (request start to the first token, as users see it). Before it, an
