@@ -192,6 +192,17 @@ def test_cache_stats_counts_prefix_blocks_apart_from_chunks(engine, tmp_path, ca
     by_codec = json.loads(capsys.readouterr().out)["by_codec"]
     assert by_codec["prefix blocks, float32"]["entries"] == blocks
     assert sum(share["entries"] for label, share in by_codec.items() if not label.startswith("prefix")) == 1
+    assert "prefix blocks (approximate), float32" not in by_codec  # nothing was blended yet
+    # A blended request: its K/V past the lead goes in as approximate blocks, listed apart.
+    llm.announce_chunks([CHUNK])
+    llm.complete(f"{SYSTEM}\nContext: {CHUNK} {CHUNK}\nQuestion: Who won two Nobel prizes?\nAnswer:",
+                 recompute_ratio=0.15, min_blend_tokens=0)
+    llm.chunk_cache.flush()
+    assert llm.last_stats["mode"] == "blend" and llm.last_stats["prefix_cache_approximate_blocks"] > 0
+    assert main(["cache", "stats", "--path", str(tmp_path / "kv"), "--json"]) == 0
+    by_codec = json.loads(capsys.readouterr().out)["by_codec"]
+    approximate = by_codec["prefix blocks (approximate), float32"]
+    assert approximate["entries"] >= 1 and approximate["bytes"] > 0
 
 
 # --------------------------------------------------------------------------- spans after the chunks
