@@ -41,8 +41,11 @@ def batched(engine, before: dict) -> float:
 @pytest.fixture(scope="module")
 def llama(engine):
     # segment_cache_bytes=0: with the segment cache (on by default) a span's K/V comes from whichever
-    # request computed it first, so concurrent answers could differ from serial ones by design.
-    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=10, is_chat_model=False, segment_cache_bytes=0)
+    # request computed it first, so concurrent answers could differ from serial ones by design; and
+    # prefix_cache_bytes=0 for the same reason: a prompt blended before comes back as that request's
+    # approximate prefix blocks (and its chunks are then no store hits).
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=10, is_chat_model=False, segment_cache_bytes=0,
+                                    prefix_cache_bytes=0)
     llm.precompute(CHUNKS)
     llm.announce_chunks(CHUNKS)
     return llm
@@ -91,8 +94,8 @@ def test_llamaindex_sync_streams_from_threads_equal_serial(llama, llama_serial):
 
 @pytest.fixture(scope="module")
 def chat(engine):
-    # segment_cache_bytes=0: answers must not depend on request order (see the llama fixture).
-    model = ChatCacheBlend(engine=engine, max_tokens=10, segment_cache_bytes=0)
+    # segment_cache_bytes=0, prefix_cache_bytes=0: answers must not depend on request order (see the llama fixture).
+    model = ChatCacheBlend(engine=engine, max_tokens=10, segment_cache_bytes=0, prefix_cache_bytes=0)
     model.warm(CHUNKS, show_progress=False)
     return model
 

@@ -116,13 +116,16 @@ def test_a_cli_warm_job_is_hit_by_both_integrations(model_folder, tmp_path):
     chat.announce_chunks(CHUNKS)
     meta = chat.invoke([HumanMessage(question)]).response_metadata
     assert meta["cache_hits"] == 2 and meta["cache_misses"] == 0
-    llama = CacheBlendLLM(model=str(model_folder), store_path=str(store), max_new_tokens=3, **short)
+    # prefix_cache_bytes=0: the prompt is the one just blended, whose K/V the shared prefix cache now
+    # holds (approximate blocks), so with it the chunks would not be read from the store at all.
+    llama = CacheBlendLLM(model=str(model_folder), store_path=str(store), max_new_tokens=3, prefix_cache_bytes=0,
+                          **short)
     llama.announce_chunks(CHUNKS)
     stats = llama.chat([ChatMessage(role="user", content=question)]).additional_kwargs
     assert stats["cache_hits"] == 2 and stats["cache_misses"] == 0
     # Computed alone (condition_chunks=False) they are another key, and --no-condition warms those.
     alone = ChatCacheBlend(model=str(model_folder), store_path=str(store), condition_chunks=False, max_tokens=3,
-                           **short)
+                           prefix_cache_bytes=0, **short)
     alone.announce_chunks(CHUNKS)
     assert alone.invoke([HumanMessage(question)]).response_metadata["cache_hits"] == 0
 

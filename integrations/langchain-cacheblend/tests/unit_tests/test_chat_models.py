@@ -74,7 +74,9 @@ def test_warmed_chunks_are_blended_and_counted(engine) -> None:
 
 
 def test_announced_but_uncached_chunks_are_computed_on_the_fly(engine) -> None:
-    llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=4)
+    # prefix_cache_bytes=0: the same prompt again would come back from the prefix cache (the first
+    # request's approximate blocks), not as chunks read from the store.
+    llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=4, prefix_cache_bytes=0)
     llm.announce_chunks(CHUNKS)
     first = llm.invoke(_messages()).response_metadata
     assert first["cache_misses"] == 2 and first["cache_hits"] == 0
