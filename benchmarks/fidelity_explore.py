@@ -1,0 +1,380 @@
+"""Fidelity experiments on the 1.5B quality model (issue 29): blends against cached full-prefill references,
+and the report of what they did.
+
+``run``: per question, full prefill's greedy answer, its teacher-forced logits and its per-layer K/V are
+computed once and kept (safetensors, never pickles); chunk KV (plain, or computed behind a prefix: the
+stand-in conditioning ``+prefix``, the prompt's real lead ``+lead``, its first token ``+sink``) is kept
+too. A method then costs only its blend and its teacher forcing. Results append to a JSONL, one line a
+(question, method); a rerun skips what is there, so a stopped run resumes. What `cacheblend-rag bench
+--reference-cache --store disk:PATH --resume` does for the package's methods, with the chunk
+variants and per-layer stale-K/V distances this research needed.
+
+``report``: the table of docs/quality.md ("Where fidelity goes at 1.5B") from the JSONL: KL per question
+and method, recovery of full reuse's KL, questions worse than full reuse; and the speed-fidelity plot,
+each method's recovery against its TTFT speedup at 3,043 tokens, estimated as its work bound
+(:mod:`cacheblend_rag.bench.bound`) times the share of its bound that the engine reached when measured
+(docs/quality.md, "Speed at 3,000 tokens on the 1.5B model").
+
+    python benchmarks/fidelity_explore.py run --methods "kv_deviation@0.15,query_profiled+prefix@0.15"
+    python benchmarks/fidelity_explore.py report docs/fidelity_1p5b.jsonl --plot docs/fidelity_1p5b_speed.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.bench.metrics import recovery, token_kl, top1_agreement
+from cacheblend_rag.models import catalog
+from cacheblend_rag.models.loader import cache_root, converted_gguf_folder
+from cacheblend_rag.bench.prompt import build_prompt, load_musique
+from cacheblend_rag.bench.requests import FullPrefillRequest, run_request, teacher_forced_logits
+from cacheblend_rag.engine.generate import eos_token_ids
+from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.blend import CacheBlendEngine
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment
+from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, SelectionNeeds, SelectionStrategy,
+                                             register_strategy, top_indices)
+
+ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
+
+
+# -------------------------------------------------------------- an idea tested here: offline sensitivity
+# A chunk token whose K/V moves a lot when its chunk is computed behind other text is one whose K/V
+# depends on context; measured offline, from the two versions the store can keep of every chunk
+# (alone, and behind the stand-in conditioning prefix), layer by layer. ``sensitivity`` recomputes the
+# most sensitive tokens (no check layer evidence); ``sensitive_read`` weighs that by the question's
+# attention from the profile pass. The scores of the prompt being blended are set before each blend.
+SENSITIVITY: dict[str, torch.Tensor] = {}
+
+
+def _scores(ctx: SelectionContext) -> torch.Tensor:
+    s = SENSITIVITY["scores"]
+    if ctx.num_cached > s.numel():  # the lead is a cached segment too, and exact
+        s = torch.cat([torch.zeros(ctx.num_cached - s.numel()), s])
+    return s.to(ctx.cached_v.device)
+
+
+@register_strategy
+@dataclass(frozen=True)
+class OfflineSensitivity(SelectionStrategy):
+    name: ClassVar[str] = "sensitivity"
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=0)
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        return top_indices(_scores(ctx), ctx.budget)
+
+
+@register_strategy
+@dataclass(frozen=True)
+class SensitiveRead(SelectionStrategy):
+    name: ClassVar[str] = "sensitive_read"
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=0, profile=ProfileRequest(None, 16))
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        return top_indices(ctx.question_attention().float() * _scores(ctx).sqrt(), ctx.budget)
+
+
+def sensitivity_scores(plain: list[ChunkKV], conditioned: list[ChunkKV]) -> torch.Tensor:
+    """Per chunk token: the squared V distance between its two versions, each layer's divided by that
+    layer's mean V norm so that no layer dominates, summed over layers."""
+    per_chunk = []
+    for a, b in zip(plain, conditioned):
+        total = torch.zeros(len(a.token_ids))
+        for va, vb in zip(a.values, b.values):
+            d = (va.float() - vb.float()).pow(2).sum(dim=(0, 2))
+            total += d / vb.float().pow(2).sum(dim=(0, 2)).mean()
+        per_chunk.append(total)
+    return torch.cat(per_chunk)
+
+
+def parse_method(spec: str):
+    """name@ratio[,key=value...]: e.g. 'kv_deviation@0.15', 'query_profiled+prefix@0.15', 'kv_deviation@0.15;check_layer=4'."""
+    parts = spec.split(";")
+    head, extras = parts[0], parts[1:]
+    prefix = "plain"
+    name, _, ratio = head.partition("@")
+    for variant in ("prefix", "lead", "sink"):
+        if name.endswith("+" + variant):
+            name, prefix = name[: -len(variant) - 1], variant
+    kw = {}
+    for e in extras:
+        k, _, v = e.partition("=")
+        try:
+            v = json.loads(v)
+        except Exception:
+            pass
+        kw[k] = v
+    if name == "full_reuse":
+        cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
+    else:
+        cfg = BlendConfig(selection=name, recompute_ratio=float(ratio), **kw)
+    return cfg, prefix
+
+
+def chunk_to_tensors(chunks: list[ChunkKV]) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, c in enumerate(chunks):
+        out[f"{i}.ids"] = torch.tensor(c.token_ids)
+        for l, (k, v) in enumerate(zip(c.keys, c.values)):
+            out[f"{i}.k{l}"] = k.contiguous()
+            out[f"{i}.v{l}"] = v.contiguous()
+    return out
+
+
+def tensors_to_chunks(t: dict[str, torch.Tensor], n: int, layers: int, prefix: tuple[int, ...], fp: str) -> list[ChunkKV]:
+    return [ChunkKV(tuple(t[f"{i}.ids"].tolist()), [t[f"{i}.k{l}"] for l in range(layers)],
+                    [t[f"{i}.v{l}"] for l in range(layers)], prefix, fp) for i in range(n)]
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    cache_dir = Path(args.cache) / f"{args.model}_p{args.passages}_t{args.max_passage_tokens}"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    engine = CacheBlendEngine.from_pretrained(None if args.model == "smollm2" else args.model, device="cpu", dtype="float32")
+    fp = engine.fingerprint
+    L = engine.num_layers
+    eos = eos_token_ids(engine)
+    examples = load_musique(args.data)
+    done = set()
+    if os.path.exists(args.out):
+        for line in open(args.out):
+            r = json.loads(line)
+            done.add((r["model"], r["setup"], r["q"], r["method"]))
+    setup = f"p{args.passages}_t{args.max_passage_tokens}_teach{args.teacher}"
+    methods = [m for m in args.methods.split(",") if m]
+    for q in [int(x) for x in args.questions.split(",")]:
+        todo = [m for m in methods if (args.model, setup, q, m) not in done]
+        if not todo:
+            continue
+        prompt = build_prompt(engine.tokenizer, examples[q], passages=args.passages,
+                              max_passage_tokens=args.max_passage_tokens)
+        ids = prompt.input_ids
+        ref_path = cache_dir / f"ref_q{q}.safetensors"
+        if ref_path.exists():
+            ref = load_file(str(ref_path))
+            ref_tokens = ref["tokens"].tolist()
+            ref_logits = ref["logits"]
+        else:
+            t0 = time.time()
+            out = engine.full_prefill(ids)
+            cache, token, pos, tokens = out.cache, int(out.logits.argmax()), len(ids), []
+            with torch.inference_mode():
+                # as the harness's run_request + answer_tokens: up to `teacher` tokens, then EOS if it stopped
+                while True:
+                    if token in eos:
+                        tokens.append(token)
+                        break
+                    tokens.append(token)
+                    if len(tokens) >= args.teacher:
+                        break
+                    o = engine.model(input_ids=torch.tensor([[token]]), cache=cache,
+                                     position_ids=torch.tensor([[pos]]), use_cache=True)
+                    token = int(o.logits[0, -1].argmax())
+                    pos += 1
+            extra = cache.get_seq_length() - len(ids)
+            if extra > 0:
+                cache.crop(-extra)
+            ref_kv = {f"k{l}": cache.layers[l].keys[0].contiguous() for l in range(L)}
+            ref_kv.update({f"v{l}": cache.layers[l].values[0].contiguous() for l in range(L)})
+            logits = teacher_forced_logits(engine, out.logits, cache, len(ids), tokens)
+            save_file({"tokens": torch.tensor(tokens), "logits": logits.contiguous(), **ref_kv}, str(ref_path))
+            print(f"q{q}: reference {len(ids)} tokens, {time.time()-t0:.1f}s, answer "
+                  f"{engine.tokenizer.decode(tokens)!r}", flush=True)
+            ref_tokens, ref_logits = tokens, logits
+            ref = None
+        ref_kv_all = load_file(str(ref_path))
+        chunks = {}
+        for cond in ("plain", "prefix", "lead", "sink"):
+            path = cache_dir / f"chunks_q{q}_{'cond' if cond == 'prefix' else cond}.safetensors"
+            prefix = {"plain": (), "prefix": prompt.conditioning_prefix(True), "lead": tuple(prompt.lead_ids),
+                      "sink": tuple(prompt.lead_ids[:1])}[cond]
+            if path.exists():
+                chunks[cond] = tensors_to_chunks(load_file(str(path)), len(prompt.chunk_ids), L, tuple(prefix), fp)
+            elif any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and parse_method(m)[0].selection
+                     in ("sensitivity", "sensitive_read")) for m in todo):
+                t0 = time.time()
+                cs = engine.prefill_chunks(prompt.chunk_ids, prefix_ids=prefix)
+                save_file(chunk_to_tensors(cs), str(path))
+                chunks[cond] = cs
+                print(f"q{q}: chunks cond={cond} {time.time()-t0:.1f}s", flush=True)
+        lead_path = cache_dir / "lead.safetensors"
+        if lead_path.exists():
+            lead = tensors_to_chunks(load_file(str(lead_path)), 1, L, (), fp)[0]
+        else:
+            lead = engine.prefill_chunk(prompt.lead_ids)
+            save_file(chunk_to_tensors([lead]), str(lead_path))
+        if any(parse_method(m)[0].selection in ("sensitivity", "sensitive_read") for m in todo):
+            SENSITIVITY["scores"] = sensitivity_scores(chunks["plain"], chunks["prefix"])
+        for m in todo:
+            cfg, cond = parse_method(m)
+            segs = [CachedSegment(lead), *(CachedSegment(c) for c in chunks[cond]), FreshSegment(prompt.tail_ids)]
+            t0 = time.time()
+            res = engine.blend(segs, config=cfg)
+            blend_s = time.time() - t0
+            # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer
+            n_lead = len(prompt.lead_ids)
+            cached = torch.arange(n_lead, n_lead + sum(len(c) for c in prompt.chunk_ids))
+            sel = torch.tensor(res.stats.selected_positions, dtype=torch.long)
+            stale_mask = torch.ones(len(ids), dtype=torch.bool)
+            stale_mask[:] = False
+            stale_mask[cached] = True
+            if sel.numel():
+                stale_mask[sel] = False
+            kd, vd = [], []
+            for l in range(L):
+                kb, vb = res.cache.layers[l].keys[0], res.cache.layers[l].values[0]
+                kr, vr = ref_kv_all[f"k{l}"], ref_kv_all[f"v{l}"]
+                s = stale_mask
+                kd.append(float((kb[:, s] - kr[:, s]).norm() / kr[:, s].norm()))
+                vd.append(float((vb[:, s] - vr[:, s]).norm() / vr[:, s].norm()))
+            logits = teacher_forced_logits(engine, res.logits, res.cache, len(ids), ref_tokens)
+            kl = token_kl(ref_logits, logits)
+            rec = {"model": args.model, "setup": setup, "q": q, "method": m, "kl": float(kl.mean()),
+                   "kl_pos": [round(float(x), 4) for x in kl], "top1": top1_agreement(ref_logits, logits),
+                   "recomputed": res.stats.recomputed_tokens, "cached": res.stats.cached_tokens,
+                   "blend_s": round(blend_s, 2), "stale_k_dist": [round(x, 4) for x in kd],
+                   "stale_v_dist": [round(x, 4) for x in vd],
+                   "selected_chunk_starts": int(sum(1 for s in res.stats.selected_positions
+                                                    if s in set(n_lead + sum(len(c) for c in prompt.chunk_ids[:i])
+                                                                for i in range(len(prompt.chunk_ids)))))}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"q{q} {m:45s} KL {rec['kl']:.4f} top1 {rec['top1']:.3f} rec {rec['recomputed']} "
+                  f"{blend_s:.1f}s", flush=True)
+
+
+
+# ------------------------------------------------------------------------------------------- report
+# Share of its work bound each kind of blend reached when timed at 3,043 tokens on the 1.5B model,
+# chunk KV from the disk store (docs/quality.md, "Speed at 3,000 tokens on the 1.5B model": plain
+# CacheBlend 4.74x of 5.30x, the profiled default 4.32x of 6.18x). Full reuse: 26.1x measured.
+MEASURED_SHARE_OF_BOUND = {"deviation": 0.89, "profiled": 0.70}
+FULL_REUSE_SPEEDUP = 26.1
+PROMPT_TOKENS, FRESH_TOKENS = 3043, 43
+PROFILED = ("query_profiled", "profiled_deviation", "stale_impact")
+
+
+def estimated_speedup(method: str, shapes: LayerShapes) -> float:
+    """TTFT speedup over full prefill at 3,043 tokens, estimated from the work bound."""
+    cfg, _ = parse_method(method)
+    if cfg.recompute_ratio == 0:
+        return FULL_REUSE_SPEEDUP
+    profiled = cfg.selection in PROFILED
+    check = 0 if cfg.selection == "query_profiled" else (cfg.check_layer or 1)
+    bound = work_bound(shapes, PROMPT_TOKENS, FRESH_TOKENS, cfg.recompute_ratio, check_layer=check,
+                       profile_tokens=cfg.profile_tokens)["bound"]
+    return bound * MEASURED_SHARE_OF_BOUND["profiled" if profiled else "deviation"]
+
+
+def summarize(rows: list[dict], questions: list[int] | None = None) -> tuple[list[int], list[dict]]:
+    """Per method over the questions every listed method ran: mean KL, recovery, worse than full reuse."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {})[r["q"]] = r
+    reuse = by.get("full_reuse", {})
+    qs = sorted(questions or reuse)
+    out = []
+    for method, per_q in by.items():
+        have = [q for q in qs if q in per_q and q in reuse]
+        if not have:
+            continue
+        kl = sum(per_q[q]["kl"] for q in have) / len(have)
+        reuse_kl = sum(reuse[q]["kl"] for q in have) / len(have)
+        out.append({"method": method, "questions": have, "kl": kl, "recovery": recovery(kl, reuse_kl),
+                    "worse": sum(per_q[q]["kl"] > reuse[q]["kl"] for q in have),
+                    "per_question": {q: per_q[q]["kl"] for q in have}})
+    return qs, out
+
+
+def report(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
+    rows = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
+    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    qs, methods = summarize(rows)
+    complete = [m for m in methods if len(m["questions"]) == len(qs)]
+    folder, _ = converted_gguf_folder(catalog.installed_gguf(catalog.lookup(args.model), cache_root()))
+    shapes = LayerShapes.of(AutoConfig.from_pretrained(str(folder)))
+    print(f"{args.model}, {args.setup}: {len(qs)} questions ({', '.join(map(str, qs))}); KL per question, "
+          "recovery of full reuse's KL, questions worse than full reuse, TTFT speedup at 3,043 tokens "
+          "(estimated: work bound x measured share)\n")
+    print("| method | " + " | ".join(f"q{q}" for q in qs) + " | KL | recovery | worse | speedup (est.) |")
+    print("|---" * (len(qs) + 5) + "|")
+    for m in sorted(complete, key=lambda m: -m["recovery"]):
+        cells = " | ".join(f"{m['per_question'][q]:.3f}" for q in qs)
+        print(f"| {m['method']} | {cells} | {m['kl']:.3f} | {100 * m['recovery']:.0f}% | {m['worse']}/{len(qs)} | "
+              f"{estimated_speedup(m['method'], shapes):.2f}x |")
+    partial = [m for m in methods if len(m["questions"]) < len(qs)]
+    if partial:
+        print("\nOn fewer questions (recovery on those only):\n")
+        for m in sorted(partial, key=lambda m: m["method"]):
+            print(f"- {m['method']}: {len(m['questions'])} questions ({', '.join(map(str, m['questions']))}), "
+                  f"recovery {100 * m['recovery']:.0f}%, worse {m['worse']}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+        for m in complete:
+            x, y = estimated_speedup(m["method"], shapes), 100 * m["recovery"]
+            ax.scatter(x, y, color="tab:red" if m["worse"] else "tab:blue")
+            ax.annotate(f"{m['method']} ({m['worse']} worse)", (x, y), textcoords="offset points", xytext=(4, 2),
+                        fontsize=7)
+        ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
+        ax.axvline(3.5, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT speedup over full prefill at 3,043 tokens (estimated from the work bound)")
+        ax.set_ylabel(f"recovery of full reuse's KL, {len(qs)} questions (%)")
+        ax.set_title(f"{args.model}: speed against fidelity (targets: >= 70%, >= 3.5x; red: a question worse "
+                     "than full reuse)", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        print(f"\nplot written to {args.plot}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="blend methods against cached references; append to the JSONL")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--data", default="../shared/data/musique_dev.json", help="MuSiQue-format JSON")
+    p.add_argument("--questions", default=",".join(map(str, ANSWERABLE_100)),
+                   help="question indices (default: the 13 answerable at 10 x 100 tokens)")
+    p.add_argument("--passages", type=int, default=10)
+    p.add_argument("--max-passage-tokens", type=int, default=100)
+    p.add_argument("--teacher", type=int, default=16, help="tokens of full prefill's answer teacher-forced")
+    p.add_argument("--methods", required=True,
+                   help="comma-separated NAME[+prefix|+lead|+sink]@RATIO[;field=value...], or full_reuse[+...]")
+    p.add_argument("--cache", default="results/fidelity_cache", help="references and chunk KV (safetensors)")
+    p.add_argument("--out", default="results/fidelity_1p5b.jsonl")
+    p.add_argument("--threads", type=int, default=1)
+    r = sub.add_parser("report", help="the table and the speed-fidelity plot from a JSONL")
+    r.add_argument("results", help="the JSONL `run` wrote")
+    r.add_argument("--model", default="qwen2.5-coder-1.5b")
+    r.add_argument("--setup", default="p10_t100_teach16")
+    r.add_argument("--plot", help="write the speed-fidelity PNG here")
+    args = parser.parse_args(argv)
+    run(args) if args.command == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
