@@ -2,10 +2,10 @@
 then answer from it, and check that nothing broke (prints JSON, then a Markdown table).
 
     .venv/bin/python benchmarks/fault_trial.py [--data ../shared/data/musique_dev.json] [--out trial.json]
-        [--chunk-tokens 120] [--load-tokens N]
+        [--chunk-tokens 120] [--load-tokens N] [--answer-tokens N]
 
-The test suite runs every case too, on shorter passages (``--chunk-tokens 32 --load-tokens 48``):
-no fault is left out, only the work of each request is smaller.
+The test suite runs every case too, on shorter passages and answers (``--chunk-tokens 32 --load-tokens 48
+--answer-tokens 3``): no fault is left out, only the work of each request is smaller.
 
 For each fault a copy of one healthy store is damaged, reopened (as a restarting replica would)
 and a prompt over its 4 chunks (MuSiQue passages when the file is there, else the demo corpus) is
@@ -64,7 +64,7 @@ TOLERANCE = 1e-4
 
 @dataclass
 class Trial:
-    """One prepared store and what a healthy answer from it is."""
+    """One prepared store and what a healthy answer from it is (``answer_tokens`` long, greedy)."""
 
     engine: CacheBlendEngine
     chunks: list[list[int]]
@@ -75,6 +75,7 @@ class Trial:
     work: Path
     victim: Path
     keys: list[str]  # the chunks' store keys
+    answer_tokens: int = 8
 
     def key(self, index: int) -> str:
         return self.keys[index]
@@ -266,13 +267,14 @@ def _index_faults() -> dict[str, Fault]:
 
 
 # --------------------------------------------------------------------------- running
-def _answer(engine: CacheBlendEngine, segments: list[Any], cache: ChunkCache, *, blend_only: bool = False
-            ) -> tuple[torch.Tensor, str | None, Any]:
-    """Logits of a blend first (what the store held, before any write-back), then the greedy answer."""
+def _answer(engine: CacheBlendEngine, segments: list[Any], cache: ChunkCache, *, blend_only: bool = False,
+            tokens: int = 8) -> tuple[torch.Tensor, str | None, Any]:
+    """Logits of a blend first (what the store held, before any write-back), then the greedy answer of
+    ``tokens`` tokens."""
     blended = engine.blend(segments, config=CONFIG, store=cache)
     if blend_only:
         return blended.logits, None, blended.stats
-    result = engine.generate(segments, config=CONFIG, store=cache, max_new_tokens=8)
+    result = engine.generate(segments, config=CONFIG, store=cache, max_new_tokens=tokens)
     return blended.logits, result.text, blended.stats
 
 
@@ -284,7 +286,7 @@ def _run_store_fault(trial: Trial, name: str, fault: Fault) -> dict[str, Any]:
     try:
         expect = fault(trial, path)
         with _cache(trial.engine, path, auth_key=KEY if expect == "auth" else None) as cache:
-            logits, text, _ = _answer(trial.engine, trial.segments, cache)
+            logits, text, _ = _answer(trial.engine, trial.segments, cache, tokens=trial.answer_tokens)
             cache.flush()
             stats = cache.stats()
         difference = float((logits - trial.healthy).abs().max())
@@ -408,12 +410,12 @@ def _passages(data: Path, engine: CacheBlendEngine, tokens: int) -> list[list[in
     return passages
 
 
-def _at_least(smallest: int) -> Callable[[str], int]:
+def _at_least(smallest: int, why: str = "so that each layer of a chunk is a file of its own (the index faults "
+              "damage those files)") -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < smallest:
-            raise argparse.ArgumentTypeError(f"{value} is too small: at least {smallest} tokens, so that each layer "
-                                             "of a chunk is a file of its own (the index faults damage those files)")
+            raise argparse.ArgumentTypeError(f"{value} is too small: at least {smallest} tokens, {why}")
         return value
     return parse
 
@@ -429,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens of each of the 4 stored chunks (a passage's first ones)")
     parser.add_argument("--load-tokens", type=_at_least(8), default=None,
                         help="cut the load case's passages to their first N tokens (default: whole passages)")
+    parser.add_argument("--answer-tokens", type=_at_least(2, "so that an answer decodes from the blended KV"),
+                        default=8, help="tokens of each greedy answer compared with the healthy one (the load case's "
+                                        "requests keep their 6)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
@@ -443,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     pristine = root / "pristine"
     with _cache(engine, pristine) as cache:
         cache.warm(chunks)
-        healthy, healthy_text, _ = _answer(engine, segments, cache)
+        healthy, healthy_text, _ = _answer(engine, segments, cache, tokens=args.answer_tokens)
         keys = [cache.key_for(ids) for ids in chunks]
-    trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim, keys)
+    trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim, keys,
+                  args.answer_tokens)
 
     groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
               "index and files": _index_faults()}
@@ -470,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             results["weights"] = _run_weight_faults(trial)
             progress.update(2)
             done("weights")
-        answer = lambda cache, blend_only=False: _answer(engine, segments, cache, blend_only=blend_only)  # noqa: E731
+        answer = lambda cache, blend_only=False: _answer(engine, segments, cache, blend_only=blend_only,  # noqa: E731
+                                                         tokens=trial.answer_tokens)
         if "file systems" not in args.skip:
             results["file systems"] = fault_trial_env.file_system_faults(
                 trial, answer, lambda path: _cache(engine, path), TOLERANCE)
@@ -490,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "fault_trial", "model": engine.model_name, "chunks": len(chunks),
         "chunk_tokens": [len(c) for c in chunks], "load_passage_tokens": args.load_tokens or "whole",
+        "answer_tokens": trial.answer_tokens,
         "store": "disk, float32 (bit-exact recompute)",
         "summary": summary,
         "total": {"tried": sum(s["tried"] for s in summary.values()),
