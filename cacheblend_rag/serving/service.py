@@ -33,6 +33,7 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
 from cacheblend_rag.engine.decode import Decoding
 from cacheblend_rag.engine.generate import start_decoding
+from cacheblend_rag.engine.layout import unrotated_keys
 from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
 from cacheblend_rag.prompting import split_prompt, to_segments_in_context
@@ -298,12 +299,8 @@ class BlendService:
         for start, end in spans:
             if end == prompt_tokens:
                 end = len(ids)  # the span that ends the prompt continues with the answer
-            positions = torch.arange(start, end, device=keys[0].device).unsqueeze(0)
-            cos, sin = a.rope_cos_sin(keys[0][:, :, start:end], positions)
-            # Back to before RoPE, a chunk's form: a rotation by the negative angle.
-            raw = [a.apply_rope(k[:, :, start:end], cos, -sin)[0] for k in keys]
-            self.segment_cache.remember(ids[start:end], raw, [v[0, :, start:end] for v in values],
-                                        self.engine.fingerprint)
+            self.segment_cache.remember(ids[start:end], unrotated_keys(a, keys, start, end),
+                                        [v[0, :, start:end] for v in values], self.engine.fingerprint)
 
     def _no_reuse(self, prompt: str, tokens: int) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
