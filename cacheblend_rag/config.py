@@ -57,8 +57,11 @@ class BlendConfig:
         prefix's exact part (a system prompt) stays outside the budget. ``0`` reuses them as is,
         outside the budget (cheapest; the turn reads stale K/V); ``None`` pools them with the chunks
         under ``recompute_ratio``. At ``recompute_ratio`` 0 they are reused as is; at 1.0 recomputed
-        (a server never serves approximate blocks there). Default 0.1, measured with
-        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations").
+        (a server never serves approximate blocks there). Default 0 (as is), measured with
+        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations: an approximate prefix's share"):
+        on one SmolLM2 conversation 0.1 and 0.15 lowered turn-4 KL against full prefill by 1-1.5% only
+        (0.092 to 0.091), raised turns 2-3's, and recomputed 3-4x the tokens; neither met "no worse than
+        blending alone" (0.034).
     check_layer:
         Layer at which the tokens to recompute are chosen. Layers before it are
         recomputed for every token. ``None`` (default) takes the strategy's own:
@@ -102,7 +105,7 @@ class BlendConfig:
 
     recompute_ratio: float = 0.15
     segment_recompute_ratio: float | None = 0.35
-    approximate_prefix_recompute_ratio: float | None = 0.1
+    approximate_prefix_recompute_ratio: float | None = 0.0
     check_layer: int | None = None
     deviation: DeviationKind = "value"
     mask: MaskKind = "exact"

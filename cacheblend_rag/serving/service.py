@@ -14,7 +14,8 @@ blend's approximation anyway: recompute ratio below 1.0 and at least one announc
 prompt (one it would blend). A request at ratio 1.0, one that finds no chunk (full prefill) and one
 with reuse off gets exact blocks only, so its answer is what it is without the cache. That is what a
 chat needs: turn ``N`` opens with turn ``N-1``'s whole prompt and answer, reused as is, outside the
-recompute budget, and only the new message is blended. The blend configuration is not part of the
+recompute budget (``BlendConfig.approximate_prefix_recompute_ratio`` > 0 recomputes a share of it for the
+turn's question), and the new message is blended. The blend configuration is not part of the
 blocks' keys: a conversation's turns use one. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.

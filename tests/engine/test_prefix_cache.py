@@ -571,7 +571,7 @@ def test_the_integrations_expose_and_validate_the_approximate_prefix_share():
     from llama_index.llms.cacheblend import CacheBlendLLM
 
     engine = tiny_engine("llama")
-    assert BlendConfig().approximate_prefix_recompute_ratio == 0.1
+    assert BlendConfig().approximate_prefix_recompute_ratio == 0.0
     llm = CacheBlendLLM.from_engine(engine, approximate_prefix_recompute_ratio=0.3)
     assert llm.blend_config.approximate_prefix_recompute_ratio == 0.3
     assert CacheBlendLLM.from_engine(engine, approximate_prefix_recompute_ratio=None).blend_config \
