@@ -300,7 +300,8 @@ class CacheBlendEngine:
         first = segs[0]
         if not isinstance(first, PrefixSegment) or not first.approximate_tokens or self.adapter is None:
             return segs
-        if cfg.recompute_ratio == 0.0 or (cfg.approximate_prefix_recompute_ratio == 0.0 and cfg.recompute_ratio < 1.0):
+        as_is = cfg.approximate_prefix_recompute_ratio == 0.0 and cfg.recompute_ratio < 1.0
+        if cfg.recompute_ratio == 0.0 or as_is:
             return segs
         return [*split_approximate_prefix(self.adapter, first), *segs[1:]]
 

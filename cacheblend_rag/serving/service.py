@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import torch
-
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
 from cacheblend_rag.engine.decode import Decoding
