@@ -146,6 +146,9 @@ class MethodLLMs:
         options["segment_cache_bytes"] = args.segment_cache_bytes if method.prefix_reuse and method.blend_chunks else 0
         if args.segment_ratio is not None:  # the cached segments' own share (BlendConfig.segment_recompute_ratio)
             options["segment_recompute_ratio"] = None if args.segment_ratio < 0 else args.segment_ratio
+        if args.approximate_prefix_ratio is not None:  # BlendConfig.approximate_prefix_recompute_ratio
+            options["approximate_prefix_recompute_ratio"] = (None if args.approximate_prefix_ratio < 0
+                                                             else args.approximate_prefix_ratio)
         if method.prefix_reuse and not method.blend_chunks:
             options["chunk_cache"] = self.own_store
         # Prefix caching alone still goes through the chunk-finding path (with nothing announced, it finds
@@ -418,6 +421,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--segment-ratio", type=float, default=None,
                         help="recompute ratio of cached segments (BlendConfig.segment_recompute_ratio; default the "
                         "package's; a negative value pools them with the chunks under --ratio)")
+    parser.add_argument("--approximate-prefix-ratio", type=float, default=None,
+                        help="recompute ratio of an approximate prefix's tokens (earlier turns from the prefix cache; "
+                        "BlendConfig.approximate_prefix_recompute_ratio; default the package's; 0 reuses them as is, "
+                        "a negative value pools them with the chunks under --ratio)")
     # A 6-turn conversation reaches about 7,000 tokens, past the package's default bound (256MB, about
     # 5,700 SmolLM2 tokens in float32): the bench's bound holds a whole conversation and the system prompt.
     parser.add_argument("--prefix-cache-bytes", default="1GB", help="bound of each prefix method's prefix cache")

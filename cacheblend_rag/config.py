@@ -47,6 +47,21 @@ class BlendConfig:
         with the chunks under ``recompute_ratio``. At ``recompute_ratio`` 1.0 or 0 it is not used
         (every token recomputed, exact; full reuse). Default 0.35, measured with
         ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations").
+    approximate_prefix_recompute_ratio:
+        Share of an *approximate prefix's* tokens recomputed (the prefix cache's approximate blocks:
+        an earlier blend's K/V, a chat's earlier turns, ``PrefixSegment.approximate_tokens``): their
+        budget is ``round(approximate_prefix_recompute_ratio * approximate tokens)``, chosen among them
+        by the selection strategy for this prompt's question, beside the chunks' share. An earlier
+        turn's chunks were recomputed for *that* turn's question; the default ``query_profiled`` picks
+        the earlier tokens the current question reads, as blending the whole history would. The
+        prefix's exact part (a system prompt) stays outside the budget. ``0`` reuses them as is,
+        outside the budget (cheapest; the turn reads stale K/V); ``None`` pools them with the chunks
+        under ``recompute_ratio``. At ``recompute_ratio`` 0 they are reused as is; at 1.0 recomputed
+        (a server never serves approximate blocks there). Default 0 (as is), measured with
+        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations: an approximate prefix's share"):
+        on one SmolLM2 conversation 0.1 and 0.15 lowered turn-4 KL against full prefill by 1-1.5% only
+        (0.092 to 0.091), raised turns 2-3's, and recomputed 3-4x the tokens; neither met "no worse than
+        blending alone" (0.034).
     check_layer:
         Layer at which the tokens to recompute are chosen. Layers before it are
         recomputed for every token. ``None`` (default) takes the strategy's own:
@@ -90,6 +105,7 @@ class BlendConfig:
 
     recompute_ratio: float = 0.15
     segment_recompute_ratio: float | None = 0.35
+    approximate_prefix_recompute_ratio: float | None = 0.0
     check_layer: int | None = None
     deviation: DeviationKind = "value"
     mask: MaskKind = "exact"
@@ -108,6 +124,8 @@ class BlendConfig:
         _check_range("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
         if self.segment_recompute_ratio is not None:
             _check_range("segment_recompute_ratio", self.segment_recompute_ratio, 0.0, 1.0)
+        if self.approximate_prefix_recompute_ratio is not None:
+            _check_range("approximate_prefix_recompute_ratio", self.approximate_prefix_recompute_ratio, 0.0, 1.0)
         if self.check_layer is not None:
             _check_range("check_layer", self.check_layer, 0, 10_000, integer=True)
         _check_choice("deviation", self.deviation, ("value", "key"))

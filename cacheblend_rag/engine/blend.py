@@ -27,7 +27,7 @@ from cacheblend_rag.engine.blend_run import SKIP_EXACT_PREFIX_SHARE, BlendRun
 from cacheblend_rag.engine.calibrated import CalibratedSetting, describe_config, load_calibration
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
-from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length
+from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length, split_approximate_prefix
 from cacheblend_rag.engine.precompute import precompute_chunks
 from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.engine.segments import (
@@ -254,6 +254,7 @@ class CacheBlendEngine:
             return self._prefill([t for s in segs for t in s.token_ids], started)
         if self.adapter is None:
             return self._fall_back(segs, started, self.unsupported_reason)
+        segs = self._approximate_prefix_blended(segs, cfg)
         # Exact as far as the segments tell; a store may yet say a stored lead was kept at fewer bits.
         exact = exact_prefix_length(segs)
         blendable = sum(len(s.token_ids) for s in segs if not isinstance(s, FreshSegment)) - exact
@@ -290,6 +291,19 @@ class CacheBlendEngine:
         stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses
         stats.loaded_tokens = stats.cached_tokens - source.computed_tokens
         return result
+
+    def _approximate_prefix_blended(self, segs: list[Segment], cfg: BlendConfig) -> list[Segment]:
+        """``segs`` with an opening prefix segment's approximate tokens split off as a cached segment the
+        blend may recompute a share of (``BlendConfig.approximate_prefix_recompute_ratio``), unless
+        nothing of it would be: at ``recompute_ratio`` 0 (full reuse) or that share 0, it is reused as is.
+        At ``recompute_ratio`` 1.0 it is split whatever the share, so every token is recomputed."""
+        first = segs[0]
+        if not isinstance(first, PrefixSegment) or not first.approximate_tokens or self.adapter is None:
+            return segs
+        as_is = cfg.approximate_prefix_recompute_ratio == 0.0 and cfg.recompute_ratio < 1.0
+        if cfg.recompute_ratio == 0.0 or as_is:
+            return segs
+        return [*split_approximate_prefix(self.adapter, first), *segs[1:]]
 
     @staticmethod
     def _fresh_after_exact(segs: list[Segment], exact: int) -> list[Segment]:

@@ -63,18 +63,23 @@ class BlendRun:
         self.check_layer = check_layer
         self.model_config = model_config
         self.source = source
-        # Cached segments (spans after the chunks from the segment cache) get their own share, chosen
-        # among them; the chunks' share is chosen among the chunks. At ratio 0 or 1 there is one pool.
+        # Cached segments (spans after the chunks from the segment cache) and an approximate prefix's part
+        # split off get their own shares, each chosen among its tokens; the chunks' share is chosen among
+        # the chunks (and the kinds whose ratio is None). At ratio 0 or 1 there is one pool.
         self.pools: list[tuple[torch.Tensor, int]] | None = None
-        seg_ratio = cfg.segment_recompute_ratio
-        if seg_ratio is not None and layout.n_segment and 0.0 < cfg.recompute_ratio < 1.0:
-            is_segment = torch.zeros(layout.n_cached, dtype=torch.bool, device=layout.cached_pos.device)
-            for start, end in layout.segment_spans:
-                is_segment[start:end] = True
-            index = torch.arange(layout.n_cached, device=is_segment.device)
-            chunks, segments = index[~is_segment], index[is_segment]
-            self.pools = [(chunks, selection_budget(cfg.recompute_ratio, int(chunks.numel()))),
-                          (segments, selection_budget(seg_ratio, int(segments.numel())))]
+        own = [(spans, ratio) for spans, ratio in ((layout.segment_spans, cfg.segment_recompute_ratio),
+                                                    (layout.approximate_prefix_spans,
+                                                     cfg.approximate_prefix_recompute_ratio))
+               if ratio is not None and spans]
+        if own and 0.0 < cfg.recompute_ratio < 1.0:
+            pool = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
+            for label, (spans, _) in enumerate(own, 1):
+                for start, end in spans:
+                    pool[start:end] = label
+            index = torch.arange(layout.n_cached, device=pool.device)
+            ratios = [cfg.recompute_ratio, *(ratio for _, ratio in own)]
+            self.pools = [(index[pool == label], selection_budget(ratio, int((pool == label).sum())))
+                          for label, ratio in enumerate(ratios)]
             self.budget = sum(budget for _, budget in self.pools)
         else:
             self.budget = selection_budget(cfg.recompute_ratio, layout.n_cached)
@@ -293,8 +298,8 @@ class BlendRun:
         # What full prefill computes: everything when every cached token was recomputed or none needed
         # it, else the positions before the first blendable cached token.
         exact_kv = layout.n if self.recompute_all or not layout.n_cached else int(layout.cached_pos[0])
-        if layout.approximate_tokens:  # nothing after an approximate prefix's first approximate token is exact
-            exact_kv = min(exact_kv, layout.prefix_len - layout.approximate_tokens)
+        if layout.reused_approximate_tokens:  # nothing after an approximate prefix's first approximate token is exact
+            exact_kv = min(exact_kv, layout.prefix_len - layout.reused_approximate_tokens)
         stats = BlendStats(
             mode="prefix_cached" if not layout.n_cached else "full_reuse" if self.full_reuse else "blend",
             total_tokens=layout.n,
@@ -302,8 +307,8 @@ class BlendRun:
             reused_tokens=n_cached_total - recomputed,
             recomputed_tokens=recomputed,
             fresh_tokens=layout.n - n_cached_total,
-            exact_tokens=layout.exact_end - layout.approximate_tokens,
-            prefix_tokens=layout.prefix_len,
+            exact_tokens=layout.exact_end - layout.reused_approximate_tokens,
+            prefix_tokens=layout.prefix_tokens,
             approximate_prefix_tokens=layout.approximate_tokens,
             exact_kv_tokens=exact_kv,
             selected_positions=[] if self.selected is None else layout.cached_pos[self.selected].tolist(),

@@ -31,12 +31,12 @@ DEFAULT_CONDITION_CHUNKS = True
 FORMAT = "cacheblend-rag-calibration"
 VERSION = 1
 # What a calibration chooses. The rest (gate, fallback, the short-prompt threshold, the cached segments'
-# share, which calibration prompts have none of) is the user's policy and stays as the user's or the
-# built-in config has it.
+# and approximate prefixes' shares, which calibration prompts have none of) is the user's policy and
+# stays as the user's or the built-in config has it.
 CALIBRATED_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(BlendConfig)
     if f.name not in ("gate", "gate_tolerance", "fallback_to_full_prefill", "min_blend_tokens",
-                      "segment_recompute_ratio")
+                      "segment_recompute_ratio", "approximate_prefix_recompute_ratio")
 )
 
 

@@ -16,8 +16,30 @@ from typing import Sequence
 import torch
 
 from cacheblend_rag.engine.kv_source import CachedKVSource
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment, PrefixSegment, Segment
+from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment
 from cacheblend_rag.models.adapters import DecoderAdapter
+
+
+def unrotated_keys(a: DecoderAdapter, keys: Sequence[torch.Tensor], start: int, end: int) -> list[torch.Tensor]:
+    """Each layer's keys of positions [start, end) back to before RoPE, a chunk's form (a rotation by the
+    negative angle): ``keys[l]`` is ``[1, kv_heads, n, head_dim]``, rotated at positions 0..n-1; each
+    result ``[kv_heads, end - start, head_dim]``."""
+    positions = torch.arange(start, end, device=keys[0].device).unsqueeze(0)
+    cos, sin = a.rope_cos_sin(keys[0][:, :, start:end], positions)
+    return [a.apply_rope(k[:, :, start:end], cos, -sin)[0] for k in keys]
+
+
+def split_approximate_prefix(a: DecoderAdapter, prefix: PrefixSegment) -> list[Segment]:
+    """A prefix segment with approximate tokens as its exact part (a prefix segment, if it has one) and a
+    cached segment of the approximate rest (``ChunkKV.from_prefix``), blended like a chunk at the
+    positions it holds: a blend may then recompute a share of it for this prompt's question."""
+    exact = prefix.exact_tokens
+    keys = [prefix.kv[layer, 0].unsqueeze(0) for layer in range(prefix.kv.shape[0])]
+    rest = ChunkKV(prefix.token_ids[exact:], unrotated_keys(a, keys, exact, len(prefix)),
+                   [prefix.kv[layer, 1, :, exact:] for layer in range(prefix.kv.shape[0])],
+                   model_fingerprint=prefix.model_fingerprint, approximate=True, from_prefix=True)
+    head = [prefix.cut(exact)] if exact else []
+    return [*head, CachedSegment(rest)]
 
 
 def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None = None) -> int:
@@ -27,9 +49,10 @@ def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None
     cached segment: not rounded to fewer bits or quantized by a store). A :class:`PrefixSegment` from
     the prefix cache opens it. Prefix caching, in blend terms.
 
-    A prefix segment with approximate tokens (an earlier blend's K/V) is reused as is all the same, so
-    it counts here (this is the K/V no blend recomputes), but nothing extends it: what follows is
-    blended. ``PromptLayout.approximate_tokens`` says how much of it is not exact."""
+    A prefix segment with approximate tokens (an earlier blend's K/V) that the engine reuses as is
+    (:func:`split_approximate_prefix` not applied) counts here all the same (this is the K/V no blend
+    recomputes), but nothing extends it: what follows is blended. ``PromptLayout.approximate_tokens``
+    says how much of it is not exact."""
     before: list[int] = []
     # ``lossless`` counts the chunks of the source, which the prefix segment is not one of.
     offset = 1 if segs and isinstance(segs[0], PrefixSegment) else 0
@@ -69,6 +92,9 @@ class PromptLayout:
     # Those of ``chunk_spans`` that are cached segments (``ChunkKV.approximate``: a span after the chunks
     # from the segment cache), which ``BlendConfig.segment_recompute_ratio`` budgets apart.
     segment_spans: list[tuple[int, int]] = field(default_factory=list)
+    # Those of ``chunk_spans`` that are a prefix segment's approximate part (``ChunkKV.from_prefix``), which
+    # ``BlendConfig.approximate_prefix_recompute_ratio`` budgets apart.
+    approximate_prefix_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, segs: Sequence[Segment], device: torch.device, lossless: Sequence[bool] | None = None
@@ -81,6 +107,7 @@ class PromptLayout:
         cached_mask = torch.zeros(n, dtype=torch.bool, device=device)
         chunk_spans: list[tuple[int, int]] = []
         segment_spans: list[tuple[int, int]] = []
+        approximate_prefix_spans: list[tuple[int, int]] = []
         prompt_spans: list[tuple[int, int]] = []
         offset = cached_offset = 0
         for s in segs:
@@ -90,7 +117,8 @@ class PromptLayout:
                 if offset >= exact_end:
                     chunk_spans.append((cached_offset, cached_offset + length))
                     if isinstance(s, CachedSegment) and s.chunk.approximate:
-                        segment_spans.append((cached_offset, cached_offset + length))
+                        spans = approximate_prefix_spans if s.chunk.from_prefix else segment_spans
+                        spans.append((cached_offset, cached_offset + length))
                     cached_offset += length
                 if not isinstance(s, PrefixSegment):
                     prompt_spans.append((offset, offset + length))
@@ -102,6 +130,7 @@ class PromptLayout:
             exact_end=exact_end, prefix=segs[0] if isinstance(segs[0], PrefixSegment) else None,
             prompt_spans=prompt_spans, chunk_spans=chunk_spans,
             question_len=len(segs[-1].token_ids), segment_spans=segment_spans,
+            approximate_prefix_spans=approximate_prefix_spans,
         )
 
     @property
@@ -119,13 +148,29 @@ class PromptLayout:
         return sum(end - start for start, end in self.segment_spans)
 
     @property
+    def n_approximate_prefix(self) -> int:
+        """Blendable cached tokens of a prefix segment's approximate part (:attr:`approximate_prefix_spans`)."""
+        return sum(end - start for start, end in self.approximate_prefix_spans)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens whose K/V came from the prefix cache: the prefix segment's and its approximate part's,
+        blendable when split off."""
+        return self.prefix_len + self.n_approximate_prefix
+
+    @property
     def prefix_len(self) -> int:
         return 0 if self.prefix is None else len(self.prefix)
 
     @property
-    def approximate_tokens(self) -> int:
-        """Tokens of the prefix segment holding an earlier blend's K/V (reused as is, but not exact)."""
+    def reused_approximate_tokens(self) -> int:
+        """Tokens of the prefix segment holding an earlier blend's K/V and reused as is (not split off)."""
         return 0 if self.prefix is None else self.prefix.approximate_tokens
+
+    @property
+    def approximate_tokens(self) -> int:
+        """Tokens from the prefix cache holding an earlier blend's K/V: reused as is or blendable."""
+        return self.reused_approximate_tokens + self.n_approximate_prefix
 
     @property
     def chunk_lengths(self) -> list[int]:

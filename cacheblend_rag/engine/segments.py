@@ -40,6 +40,10 @@ class ChunkKV:
     # KV taken out of another request (a blend's, say) rather than computed behind exactly
     # ``prefix_ids``: never an exact prefix, whatever text precedes it.
     approximate: bool = False
+    # The approximate part of a prefix segment (an earlier blend's K/V from the prefix cache), which the
+    # engine turns into a chunk at its own positions so a blend may recompute a share of it
+    # (``BlendConfig.approximate_prefix_recompute_ratio``); approximate too.
+    from_prefix: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = as_token_ids(self.token_ids)
@@ -64,6 +68,7 @@ class ChunkKV:
             self.prefix_ids,
             self.model_fingerprint,
             self.approximate,
+            self.from_prefix,
         )
 
 
@@ -103,16 +108,19 @@ class StoredSegment:
 @dataclass(frozen=True, eq=False)
 class PrefixSegment:
     """The opening tokens of a prompt with the K/V full prefill computes for them, from a prefix cache
-    (:mod:`~cacheblend_rag.engine.prefix_cache`). Always the first segment; reused as is, never
-    recomputed, outside the budget.
+    (:mod:`~cacheblend_rag.engine.prefix_cache`). Always the first segment; its exact tokens are
+    reused as is, never recomputed, outside the budget.
 
     ``kv`` is ``[layers, 2, kv_heads, n, head_dim]``: keys (index 0) *rotated* at positions
     0..n-1 and values (index 1). Unlike a chunk, a prefix never moves, so its keys are kept as the
     decoding cache holds them, and a prefix taken from a finished request is used bit for bit.
 
     ``approximate_tokens``: how many of its last tokens hold an earlier blend's K/V rather than full
-    prefill's (the prefix cache's approximate blocks). They are reused as is and outside the budget
-    too, but counted apart (``BlendStats.approximate_prefix_tokens``), never as exact.
+    prefill's (the prefix cache's approximate blocks). They are counted apart
+    (``BlendStats.approximate_prefix_tokens``), never as exact. A blend recomputes a share of them
+    (``BlendConfig.approximate_prefix_recompute_ratio``, chosen by its selection strategy for this
+    prompt's question), or, at that share 0 or ``recompute_ratio`` 0, reuses them as is outside the
+    budget.
     """
 
     token_ids: tuple[int, ...]

@@ -14,7 +14,8 @@ blend's approximation anyway: recompute ratio below 1.0 and at least one announc
 prompt (one it would blend). A request at ratio 1.0, one that finds no chunk (full prefill) and one
 with reuse off gets exact blocks only, so its answer is what it is without the cache. That is what a
 chat needs: turn ``N`` opens with turn ``N-1``'s whole prompt and answer, reused as is, outside the
-recompute budget, and only the new message is blended. The blend configuration is not part of the
+recompute budget (``BlendConfig.approximate_prefix_recompute_ratio`` > 0 recomputes a share of it for the
+turn's question), and the new message is blended. The blend configuration is not part of the
 blocks' keys: a conversation's turns use one. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
@@ -27,12 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import torch
-
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
 from cacheblend_rag.engine.decode import Decoding
 from cacheblend_rag.engine.generate import start_decoding
+from cacheblend_rag.engine.layout import unrotated_keys
 from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
 from cacheblend_rag.prompting import split_prompt, to_segments_in_context
@@ -298,12 +298,8 @@ class BlendService:
         for start, end in spans:
             if end == prompt_tokens:
                 end = len(ids)  # the span that ends the prompt continues with the answer
-            positions = torch.arange(start, end, device=keys[0].device).unsqueeze(0)
-            cos, sin = a.rope_cos_sin(keys[0][:, :, start:end], positions)
-            # Back to before RoPE, a chunk's form: a rotation by the negative angle.
-            raw = [a.apply_rope(k[:, :, start:end], cos, -sin)[0] for k in keys]
-            self.segment_cache.remember(ids[start:end], raw, [v[0, :, start:end] for v in values],
-                                        self.engine.fingerprint)
+            self.segment_cache.remember(ids[start:end], unrotated_keys(a, keys, start, end),
+                                        [v[0, :, start:end] for v in values], self.engine.fingerprint)
 
     def _no_reuse(self, prompt: str, tokens: int) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced

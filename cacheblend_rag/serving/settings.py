@@ -161,6 +161,12 @@ class CacheBlendSettings(BaseModel):
         description="Share of a cached segment's tokens recomputed (spans after the chunks from the segment cache, "
         "K/V computed behind other passages); None recomputes them under recompute_ratio with the chunks.",
     )
+    approximate_prefix_recompute_ratio: Optional[float] = Field(
+        default=_DEFAULTS.approximate_prefix_recompute_ratio,
+        description="Share of an approximate prefix's tokens recomputed (a chat's earlier turns from the prefix "
+        "cache, an earlier blend's K/V), chosen for the current question; 0 reuses them as is, None recomputes them "
+        "under recompute_ratio with the chunks.",
+    )
     check_layer: Optional[int] = Field(
         default=_DEFAULTS.check_layer,
         description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",

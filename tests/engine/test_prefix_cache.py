@@ -354,15 +354,13 @@ def test_a_prompt_cached_up_to_its_question_computes_only_the_rest(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_counted_apart(arch):
+def second_turn(engine):
     """Turn 2 of a RAG chat: turn 1 was blended, so its K/V past the lead is approximate; kept as
-    approximate blocks, it opens turn 2 as is (nothing recomputed, outside the budget), only what is
-    new is blended, and the stats count it apart from the exact tokens. The flag changes no number."""
-    engine = tiny_engine(arch)
+    approximate blocks, its match opens turn 2. Returns the hit, the new chunk, the question, the lead."""
     lead, chunk_ids, question, full_ids = prompt(engine)
     chunks = engine.prefill_chunks(chunk_ids)
-    cfg = BlendConfig(recompute_ratio=0.15)
-    turn1 = engine.blend([FreshSegment(lead), *map(CachedSegment, chunks), FreshSegment(question)], config=cfg)
+    turn1 = engine.blend([FreshSegment(lead), *map(CachedSegment, chunks), FreshSegment(question)],
+                         config=BlendConfig(recompute_ratio=0.15))
     exact_kv = turn1.stats.exact_kv_tokens
     assert exact_kv == len(lead) < len(full_ids)
     keys, values = [l.keys for l in turn1.cache.layers], [l.values for l in turn1.cache.layers]
@@ -373,9 +371,20 @@ def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_c
     turn2 = full_ids + question
     assert cache.match(turn2, engine.fingerprint).token_ids == tuple(lead)  # exact only: the lead
     hit = cache.match(turn2, engine.fingerprint, approximate=True)
-    m = len(hit)
-    exact = len(lead)  # the block the lead ends in is approximate, the lead's tail comes from its exact partial block
-    assert m == len(full_ids) and hit.approximate_tokens == m - exact
+    # The block the lead ends in is approximate, the lead's tail comes from its exact partial block.
+    assert len(hit) == len(full_ids) and hit.approximate_tokens == len(hit) - len(lead)
+    return hit, new_chunk, question, lead
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_counted_apart(arch):
+    """At approximate_prefix_recompute_ratio 0 an approximate prefix opens turn 2 as is (nothing
+    recomputed, outside the budget), only what is new is blended, and the stats count it apart from the
+    exact tokens. The flag changes no number."""
+    engine = tiny_engine(arch)
+    hit, new_chunk, question, lead = second_turn(engine)
+    m, exact = len(hit), len(lead)
+    cfg = BlendConfig(recompute_ratio=0.15, approximate_prefix_recompute_ratio=0.0)
     segments = [hit, CachedSegment(new_chunk), FreshSegment(question)]
     out = engine.blend(segments, config=cfg)
     stats = out.stats
@@ -390,6 +399,74 @@ def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_c
     # Nothing left to blend: prefix_cached, and only the exact part of it is exact K/V.
     only = engine.blend([hit, FreshSegment(question)], config=cfg)
     assert only.stats.mode == "prefix_cached" and only.stats.exact_kv_tokens == exact
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("share", [0.1, 0.5, None])
+def test_an_approximate_prefix_is_blended_with_its_own_share_and_the_exact_part_never(arch, share):
+    """Below ratio 1.0 a share of an approximate prefix's tokens is recomputed, chosen by the strategy
+    among them (its own pool, or with the chunks at None); the exact part (the lead) stays outside the
+    budget and is never recomputed; the stats still count the approximate tokens as from the prefix."""
+    engine = tiny_engine(arch)
+    hit, new_chunk, question, lead = second_turn(engine)
+    m, exact = len(hit), len(lead)
+    approximate = m - exact
+    cfg = BlendConfig(recompute_ratio=0.15, approximate_prefix_recompute_ratio=share)
+    out = engine.blend([hit, CachedSegment(new_chunk), FreshSegment(question)], config=cfg)
+    stats = out.stats
+    expected = (selection_budget(0.15, approximate + len(new_chunk)) if share is None else
+                selection_budget(0.15, len(new_chunk)) + selection_budget(share, approximate))
+    assert stats.mode == "blend" and stats.recomputed_tokens == expected
+    selected = stats.selected_positions
+    assert selected and min(selected) >= exact  # the exact prefix is never recomputed
+    if share is not None:  # each pool gets its own budget, chosen among its tokens
+        assert sum(exact <= p < m for p in selected) == selection_budget(share, approximate)
+    assert stats.prefix_tokens == m and stats.approximate_prefix_tokens == approximate
+    assert stats.exact_tokens == exact and stats.exact_kv_tokens == exact
+    assert stats.cached_tokens == m + len(new_chunk) and stats.fresh_tokens == len(question)
+    assert stats.reused_tokens == stats.cached_tokens - expected
+    as_is = engine.blend([hit, CachedSegment(new_chunk), FreshSegment(question)],
+                         config=cfg.with_overrides(approximate_prefix_recompute_ratio=0.0))
+    assert as_is.stats.recomputed_tokens == selection_budget(0.15, len(new_chunk))
+    assert not torch.equal(out.logits, as_is.logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_approximate_prefix_at_ratio_one_is_full_prefill_and_at_zero_reused_as_is(arch):
+    """At recompute_ratio 1.0 an approximate prefix is recomputed whatever its share: the same blend, bit for
+    bit, as the turn's tokens from exact chunks (full prefill); at 0 it is reused as is (full reuse)."""
+    engine = tiny_engine(arch)
+    hit, new_chunk, question, lead = second_turn(engine)
+    m, exact = len(hit), len(lead)
+    _, chunk_ids, _, full_ids = prompt(engine)
+    rest = [CachedSegment(c) for c in engine.prefill_chunks([list(hit.token_ids[exact:])])]
+    for share in (0.0, 0.1, None):
+        cfg = BlendConfig(recompute_ratio=1.0, approximate_prefix_recompute_ratio=share)
+        a = engine.blend([hit, CachedSegment(new_chunk), FreshSegment(question)], config=cfg)
+        b = engine.blend([hit.cut(exact), *rest, CachedSegment(new_chunk), FreshSegment(question)], config=cfg)
+        assert torch.equal(a.logits, b.logits), share
+        for layer in range(engine.num_layers):
+            assert torch.equal(a.cache.layers[layer].keys, b.cache.layers[layer].keys)
+            assert torch.equal(a.cache.layers[layer].values, b.cache.layers[layer].values)
+        assert a.stats.recomputed_tokens == m - exact + len(new_chunk)
+        assert a.stats.exact_kv_tokens == a.stats.total_tokens
+        assert a.stats.prefix_tokens == m and a.stats.approximate_prefix_tokens == m - exact
+        assert a.stats.exact_tokens == exact
+    torch.testing.assert_close(a.logits, engine.full_prefill(full_ids + chunk_ids[2] + question).logits,
+                               atol=1e-5, rtol=1e-5)
+    reuse = engine.blend([hit, CachedSegment(new_chunk), FreshSegment(question)],
+                         config=BlendConfig(recompute_ratio=0.0, approximate_prefix_recompute_ratio=0.5)).stats
+    assert reuse.recomputed_tokens == 0 and reuse.exact_tokens == exact and reuse.approximate_prefix_tokens == m - exact
+
+
+@pytest.mark.parametrize("value, message", [(1.5, "approximate_prefix_recompute_ratio=1.5 is out of range"),
+                                            (-0.1, "approximate_prefix_recompute_ratio=-0.1"),
+                                            ("high", "approximate_prefix_recompute_ratio='high' must be a number"),
+                                            (float("nan"), "approximate_prefix_recompute_ratio=nan")])
+def test_the_approximate_prefix_share_is_validated(value, message):
+    with pytest.raises(ConfigError, match=message):
+        BlendConfig(approximate_prefix_recompute_ratio=value)
+    assert BlendConfig(approximate_prefix_recompute_ratio=None).approximate_prefix_recompute_ratio is None
 
 
 def test_few_blendable_tokens_behind_a_cached_prefix_are_computed_fresh_behind_it():
@@ -488,3 +565,19 @@ def test_smollm2_turn_two_from_the_prefix_cache_is_full_prefill(smollm2_engine):
     x = engine.blend([again.match(ids, engine.fingerprint), *rest], config=BlendConfig(recompute_ratio=1.0))
     y = engine.blend([CachedSegment(chunk), *rest], config=BlendConfig(recompute_ratio=1.0))
     assert torch.equal(x.logits, y.logits)
+
+
+def test_the_integrations_expose_and_validate_the_approximate_prefix_share():
+    from langchain_cacheblend import ChatCacheBlend
+    from llama_index.llms.cacheblend import CacheBlendLLM
+
+    engine = tiny_engine("llama")
+    assert BlendConfig().approximate_prefix_recompute_ratio == 0.0
+    llm = CacheBlendLLM.from_engine(engine, approximate_prefix_recompute_ratio=0.3)
+    assert llm.blend_config.approximate_prefix_recompute_ratio == 0.3
+    assert CacheBlendLLM.from_engine(engine, approximate_prefix_recompute_ratio=None).blend_config \
+        .approximate_prefix_recompute_ratio is None
+    with pytest.raises(ValueError, match="approximate_prefix_recompute_ratio"):
+        CacheBlendLLM.from_engine(engine, approximate_prefix_recompute_ratio=2.0)
+    chat = ChatCacheBlend(engine=engine, approximate_prefix_recompute_ratio=0.3)
+    assert chat.blend_config.approximate_prefix_recompute_ratio == 0.3

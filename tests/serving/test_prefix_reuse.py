@@ -301,17 +301,22 @@ def test_turn_two_of_a_rag_chat_reuses_turn_one_blended_prompt_and_answer_as_app
     ids2 = engine.tokenize(turn2)
     expected = min(common_prefix(held, ids2), len(ids2) - 1)
     assert expected >= len(engine.tokenize(rag_turns(engine, "")[0]))  # the whole previous prompt, at least
-    second = service.generate(turn2, GREEDY, BLEND)
+    # A share of the approximate history recomputed for this question (the default, 0, reuses it as is).
+    cfg = BLEND.with_overrides(approximate_prefix_recompute_ratio=0.1)
+    second = service.generate(turn2, GREEDY, cfg)
     stats = second.stats()
     exact = exact_kv  # to the token: the exact part's tail comes from its exact partial block
     assert second.prompt.prefix_tokens == stats["prefix_tokens"] == expected
     assert second.prompt.approximate_prefix_tokens == stats["approximate_prefix_tokens"] == expected - exact
     assert stats["exact_tokens"] == exact and stats["exact_kv_tokens"] == exact
-    # Only the new chunk is blended: the history is reused as is, outside the budget.
+    # The new chunk is blended under recompute_ratio, the approximate history under its own share (chosen
+    # for this question); the exact part stays outside the budget.
     new_chunk = sum(len(s.token_ids) for s in second.prompt.segments[1:] if type(s).__name__ == "StoredSegment")
     assert new_chunk > 0 and stats["cached_tokens"] == expected + new_chunk
     from cacheblend_rag.engine.selection import selection_budget
-    assert stats["recomputed_tokens"] == selection_budget(BLEND.recompute_ratio, new_chunk)
+    assert stats["recomputed_tokens"] == (selection_budget(BLEND.recompute_ratio, new_chunk)
+                                          + selection_budget(0.1, expected - exact))
+    assert min(second.result.stats.selected_positions) >= exact
     assert stats["prefix_cache_approximate_hit_tokens"] == expected - exact
     # Without the approximate blocks (exact ones only), the history after the lead is blended again.
     exact_only = service.prepare(turn2)
