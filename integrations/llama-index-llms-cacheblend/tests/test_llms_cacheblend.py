@@ -27,7 +27,9 @@ def engine():
 
 @pytest.fixture
 def llm(engine):
-    return CacheBlendLLM.from_engine(engine, max_new_tokens=6)
+    # prefix_cache_bytes=0: a prompt sent twice would come back from the prefix cache (its first blend's
+    # approximate blocks, mode "prefix_cached"); these tests compare each API's own blend of it.
+    return CacheBlendLLM.from_engine(engine, max_new_tokens=6, prefix_cache_bytes=0)
 
 
 def test_class_is_a_llamaindex_llm():

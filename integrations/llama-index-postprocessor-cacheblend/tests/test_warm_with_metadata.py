@@ -45,7 +45,10 @@ def _entries(store: str) -> int:
 
 
 def _query_engine(model_folder, store: str):
-    llm = CacheBlendLLM(model=str(model_folder), store_path=store, max_new_tokens=3, min_blend_tokens=0)
+    # prefix_cache_bytes=0: the question asked again would come back from the prefix cache (the first
+    # answer's approximate blocks), and this test counts what the second one reads from the store.
+    llm = CacheBlendLLM(model=str(model_folder), store_path=store, max_new_tokens=3, min_blend_tokens=0,
+                        prefix_cache_bytes=0)
     nodes = [TextNode(text=r["text"], metadata=r["metadata"]) for r in RECORDS]
     index = VectorStoreIndex(nodes, embed_model=MockEmbedding(embed_dim=8))
     engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K,

@@ -28,7 +28,9 @@ def _ask(llm: ChatCacheBlend, retriever: CacheBlendRetriever) -> dict:
 
 
 def test_chunks_the_retriever_computes_for_a_query_are_not_store_hits() -> None:
-    llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=3, min_blend_tokens=0)
+    # prefix_cache_bytes=0: the query asked again would come back from the prefix cache (the first
+    # answer's approximate blocks), and this test counts what the second one reads from the store.
+    llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=3, min_blend_tokens=0, prefix_cache_bytes=0)
     retriever = CacheBlendRetriever(retriever=FixedRetriever(), llm=llm)
     first = _ask(llm, retriever)
     assert first["mode"] == "blend" and first["chunks_found"] == 2
