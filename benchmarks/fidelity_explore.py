@@ -2,9 +2,10 @@
 and the report of what they did.
 
 ``run``: per question, full prefill's greedy answer, its teacher-forced logits and its per-layer K/V are
-computed once and kept (safetensors, never pickles); chunk KV (plain, or computed behind a prefix: the
-stand-in conditioning ``+prefix``, the prompt's real lead ``+lead``, its first token ``+sink``) is kept
-too. A method then costs only its blend and its teacher forcing. Results append to a JSONL, one line a
+computed once and kept (the harness's reference cache, ``--reference-cache``); chunk KV (plain, or
+computed behind a prefix: the stand-in conditioning ``+prefix``, the prompt's real lead ``+lead``, its
+first token ``+sink``) is kept in a disk chunk store at float32. Both check what they read (a damaged
+entry is reported and computed again) and never unpickle. A method then costs only its blend and its teacher forcing. Results append to a JSONL, one line a
 (question, method); a rerun skips what is there, so a stopped run resumes. What `cacheblend-rag bench
 --reference-cache --store disk:PATH --resume` does for the package's methods, with the chunk
 variants and per-layer stale-K/V distances this research needed.
@@ -31,14 +32,16 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.metrics import recovery, token_kl, top1_agreement
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root, converted_gguf_folder
 from cacheblend_rag.bench.prompt import build_prompt, load_musique
+from cacheblend_rag.bench.references import Reference, ReferenceCache
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request, teacher_forced_logits
+from cacheblend_rag.store.chunk_cache import ChunkCache
+from cacheblend_rag.store.disk import DiskKVStore
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
@@ -128,28 +131,28 @@ def parse_method(spec: str):
     return cfg, prefix
 
 
-def chunk_to_tensors(chunks: list[ChunkKV]) -> dict[str, torch.Tensor]:
-    out = {}
-    for i, c in enumerate(chunks):
-        out[f"{i}.ids"] = torch.tensor(c.token_ids)
-        for l, (k, v) in enumerate(zip(c.keys, c.values)):
-            out[f"{i}.k{l}"] = k.contiguous()
-            out[f"{i}.v{l}"] = v.contiguous()
-    return out
-
-
-def tensors_to_chunks(t: dict[str, torch.Tensor], n: int, layers: int, prefix: tuple[int, ...], fp: str) -> list[ChunkKV]:
-    return [ChunkKV(tuple(t[f"{i}.ids"].tolist()), [t[f"{i}.k{l}"] for l in range(layers)],
-                    [t[f"{i}.v{l}"] for l in range(layers)], prefix, fp) for i in range(n)]
+def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
+                  prefix: tuple[int, ...]) -> list[ChunkKV]:
+    """Each chunk's KV computed behind ``prefix``, from ``store`` where it is held, else computed and kept."""
+    held = [store.load(c, prefix) for c in chunk_ids]
+    missing = [i for i, c in enumerate(held) if c is None]
+    if missing:
+        for i, chunk in zip(missing, engine.prefill_chunks([chunk_ids[i] for i in missing], prefix_ids=prefix)):
+            store.put(chunk)
+            held[i] = chunk
+    return held  # type: ignore[return-value]
 
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    cache_dir = Path(args.cache) / f"{args.model}_p{args.passages}_t{args.max_passage_tokens}"
-    cache_dir.mkdir(parents=True, exist_ok=True)
     engine = CacheBlendEngine.from_pretrained(None if args.model == "smollm2" else args.model, device="cpu", dtype="float32")
     fp = engine.fingerprint
     L = engine.num_layers
+    # The harness's reference cache (digests checked, a damaged entry discarded and recomputed) and a
+    # disk chunk store holding float32 chunk KV (checked the same way), keyed by model, ids and prefix.
+    references = ReferenceCache(Path(args.cache) / "references")
+    store = ChunkCache(engine, DiskKVStore(Path(args.cache) / "chunks"), storage_dtype="float32")
+    kv_shape = (L, engine.adapter.num_kv_heads, engine.adapter.head_dim)
     eos = eos_token_ids(engine)
     examples = load_musique(args.data)
     done = set()
@@ -166,60 +169,29 @@ def run(args: argparse.Namespace) -> None:
         prompt = build_prompt(engine.tokenizer, examples[q], passages=args.passages,
                               max_passage_tokens=args.max_passage_tokens)
         ids = prompt.input_ids
-        ref_path = cache_dir / f"ref_q{q}.safetensors"
-        if ref_path.exists():
-            ref = load_file(str(ref_path))
-            ref_tokens = ref["tokens"].tolist()
-            ref_logits = ref["logits"]
-        else:
+        reference = references.get(fp, ids, max_new_tokens=args.teacher, teacher_tokens=args.teacher, need_kv=True,
+                                   kv_shape=kv_shape)
+        if reference is None:
             t0 = time.time()
-            out = engine.full_prefill(ids)
-            cache, token, pos, tokens = out.cache, int(out.logits.argmax()), len(ids), []
-            with torch.inference_mode():
-                # as the harness's run_request + answer_tokens: up to `teacher` tokens, then EOS if it stopped
-                while True:
-                    if token in eos:
-                        tokens.append(token)
-                        break
-                    tokens.append(token)
-                    if len(tokens) >= args.teacher:
-                        break
-                    o = engine.model(input_ids=torch.tensor([[token]]), cache=cache,
-                                     position_ids=torch.tensor([[pos]]), use_cache=True)
-                    token = int(o.logits[0, -1].argmax())
-                    pos += 1
-            extra = cache.get_seq_length() - len(ids)
-            if extra > 0:
-                cache.crop(-extra)
-            ref_kv = {f"k{l}": cache.layers[l].keys[0].contiguous() for l in range(L)}
-            ref_kv.update({f"v{l}": cache.layers[l].values[0].contiguous() for l in range(L)})
-            logits = teacher_forced_logits(engine, out.logits, cache, len(ids), tokens)
-            save_file({"tokens": torch.tensor(tokens), "logits": logits.contiguous(), **ref_kv}, str(ref_path))
-            print(f"q{q}: reference {len(ids)} tokens, {time.time()-t0:.1f}s, answer "
-                  f"{engine.tokenizer.decode(tokens)!r}", flush=True)
-            ref_tokens, ref_logits = tokens, logits
-            ref = None
-        ref_kv_all = load_file(str(ref_path))
+            done_run = run_request(engine, FullPrefillRequest(engine, ids), max_new_tokens=args.teacher, eos_ids=eos,
+                                   teacher_limit=args.teacher, keep_prompt_kv=True)
+            reference = Reference(answer_ids=list(done_run.token_ids), stopped_by=done_run.stopped_by,
+                                  text=done_run.text, teacher_ids=done_run.answer_tokens(args.teacher),
+                                  teacher_logits=done_run.teacher_logits, kv=done_run.prompt_kv)
+            references.put(fp, ids, reference, max_new_tokens=args.teacher, teacher_tokens=args.teacher)
+            print(f"q{q}: reference {len(ids)} tokens, {time.time()-t0:.1f}s, answer {reference.text!r}", flush=True)
+        ref_tokens, ref_logits, ref_kv = reference.teacher_ids, reference.teacher_logits, reference.kv
+        assert ref_kv is not None
         chunks = {}
         for cond in ("plain", "prefix", "lead", "sink"):
-            path = cache_dir / f"chunks_q{q}_{'cond' if cond == 'prefix' else cond}.safetensors"
             prefix = {"plain": (), "prefix": prompt.conditioning_prefix(True), "lead": tuple(prompt.lead_ids),
                       "sink": tuple(prompt.lead_ids[:1])}[cond]
-            if path.exists():
-                chunks[cond] = tensors_to_chunks(load_file(str(path)), len(prompt.chunk_ids), L, tuple(prefix), fp)
-            elif any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and parse_method(m)[0].selection
-                     in ("sensitivity", "sensitive_read")) for m in todo):
+            if any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and parse_method(m)[0].selection
+                   in ("sensitivity", "sensitive_read")) for m in todo):
                 t0 = time.time()
-                cs = engine.prefill_chunks(prompt.chunk_ids, prefix_ids=prefix)
-                save_file(chunk_to_tensors(cs), str(path))
-                chunks[cond] = cs
+                chunks[cond] = stored_chunks(engine, store, prompt.chunk_ids, prefix)
                 print(f"q{q}: chunks cond={cond} {time.time()-t0:.1f}s", flush=True)
-        lead_path = cache_dir / "lead.safetensors"
-        if lead_path.exists():
-            lead = tensors_to_chunks(load_file(str(lead_path)), 1, L, (), fp)[0]
-        else:
-            lead = engine.prefill_chunk(prompt.lead_ids)
-            save_file(chunk_to_tensors([lead]), str(lead_path))
+        lead = stored_chunks(engine, store, [prompt.lead_ids], ())[0]
         if any(parse_method(m)[0].selection in ("sensitivity", "sensitive_read") for m in todo):
             SENSITIVITY["scores"] = sensitivity_scores(chunks["plain"], chunks["prefix"])
         for m in todo:
@@ -240,7 +212,7 @@ def run(args: argparse.Namespace) -> None:
             kd, vd = [], []
             for l in range(L):
                 kb, vb = res.cache.layers[l].keys[0], res.cache.layers[l].values[0]
-                kr, vr = ref_kv_all[f"k{l}"], ref_kv_all[f"v{l}"]
+                kr, vr = ref_kv[l]
                 s = stale_mask
                 kd.append(float((kb[:, s] - kr[:, s]).norm() / kr[:, s].norm()))
                 vd.append(float((vb[:, s] - vr[:, s]).norm() / vr[:, s].norm()))
@@ -364,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--teacher", type=int, default=16, help="tokens of full prefill's answer teacher-forced")
     p.add_argument("--methods", required=True,
                    help="comma-separated NAME[+prefix|+lead|+sink]@RATIO[;field=value...], or full_reuse[+...]")
-    p.add_argument("--cache", default="results/fidelity_cache", help="references and chunk KV (safetensors)")
+    p.add_argument("--cache", default="results/fidelity_cache", help="references and chunk KV (a reference cache and a disk store)")
     p.add_argument("--out", default="results/fidelity_1p5b.jsonl")
     p.add_argument("--threads", type=int, default=1)
     r = sub.add_parser("report", help="the table and the speed-fidelity plot from a JSONL")
