@@ -16,6 +16,17 @@ as history). Its keys are rotated back to before RoPE (a chunk's form; the round
 far below a blend's own error). A lookup finds the remembered span sharing the longest opening
 with a span of the new prompt, anchored at the span's start (where the chunks end). Bounded by
 bytes, least recently used first.
+
+A *partial* match, one that stops inside the kept span where the new prompt goes on differently,
+is served only from ``min_partial_tokens`` (64) on. Such a match is fixed text before varying text,
+an instruction before a new question (a conversation's history, by contrast, is matched whole: the
+new span goes on past the kept one). Served short, it is the worst trade the cache can make: a few
+dozen tokens saved, and the K/V right before the question, which the answer reads most, is K/V
+computed behind other passages. Measured with ``benchmarks/bench_chat.py``'s conversations on
+SmolLM2, where the 28-token MuSiQue instruction after each turn's passages was the one span served:
+not serving it lowered KL against full prefill at turns 2, 3 and 4 from 0.068, 0.079 and 0.191 to
+0.042, 0.043 and 0.153 on one conversation, for 28 more fresh tokens a turn
+(docs/quality.md, "Conversations: a short span before the question").
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from cacheblend_rag.engine.segments import ChunkKV
 from cacheblend_rag.errors import ConfigError
 
 DEFAULT_MIN_TOKENS = 16
+DEFAULT_MIN_PARTIAL_TOKENS = 64
 
 
 @dataclass
@@ -57,13 +69,16 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
 class SegmentCache:
     """Spans of recent prompts with the K/V (keys before RoPE) their request computed; see the module."""
 
-    def __init__(self, max_bytes: int, *, fingerprint: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
+    def __init__(self, max_bytes: int, *, fingerprint: str, min_tokens: int = DEFAULT_MIN_TOKENS,
+                 min_partial_tokens: int = DEFAULT_MIN_PARTIAL_TOKENS) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"max_bytes={max_bytes!r} must be a number of bytes >= 0 (0 disables the segment cache)")
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
-            raise ConfigError(f"min_tokens={min_tokens!r} must be a positive integer")
+        for name, value in (("min_tokens", min_tokens), ("min_partial_tokens", min_partial_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
+        self.min_partial_tokens = max(min_tokens, min_partial_tokens)
         self.fingerprint = fingerprint
         self._spans: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()  # least recently used first
         self._bytes = 0
@@ -72,7 +87,8 @@ class SegmentCache:
 
     def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None) -> ChunkKV | None:
         """The remembered K/V of the longest opening of ``token_ids`` (at most ``max_tokens``) that a kept
-        span shares, if it is at least ``min_tokens`` long; ``None`` otherwise."""
+        span shares, if it is at least ``min_tokens`` long (``min_partial_tokens`` where it stops inside
+        the kept span and the prompt goes on differently); ``None`` otherwise."""
         ids = self._query(token_ids, fingerprint, max_tokens)
         with self._lock:
             best, length = self._best_locked(ids)
@@ -96,14 +112,15 @@ class SegmentCache:
         return tuple(token_ids[:limit]) if fingerprint == self.fingerprint and limit >= self.min_tokens else ()
 
     def _best_locked(self, ids: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
-        """The kept span sharing the longest opening with ``ids`` and its length; ``(None, 0)`` if none
-        shares ``min_tokens``."""
+        """The kept span sharing the longest servable opening with ``ids`` and its length; ``(None, 0)`` if
+        none shares ``min_tokens`` (``min_partial_tokens`` for an opening that stops inside both)."""
         best, length = None, 0
         for key in self._spans if ids else ():
             n = _common_length(key, ids)
-            if n > length:
+            partial = n < len(key) and n < len(ids)
+            if n > length and n >= (self.min_partial_tokens if partial else self.min_tokens):
                 best, length = key, n
-        return (best, length) if best is not None and length >= self.min_tokens else (None, 0)
+        return best, length
 
     def remember(self, token_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  fingerprint: str) -> bool:

@@ -258,7 +258,12 @@ def test_segment_cache_keeps_the_longest_span_within_its_bound(engine):
     assert cache.remember(list(range(20)), *kv(20), "fp")
     assert cache.remember(list(range(30)), *kv(30), "fp")  # continues the first: replaces it
     assert cache.stats().entries == 1
-    assert len(cache.match(list(range(25)) + [99], "fp")) == 25
+    assert len(cache.match(list(range(30)) + [99], "fp")) == 30  # the whole kept span, the prompt going on
+    assert len(cache.match(list(range(25)), "fp")) == 25  # the whole of the prompt's span
+    # Stops inside both (fixed text before new text): served only from min_partial_tokens on.
+    assert cache.match(list(range(25)) + [99], "fp") is None
+    lenient = SegmentCache(1 << 20, fingerprint="fp", min_partial_tokens=16)
+    assert lenient.remember(list(range(30)), *kv(30), "fp") and len(lenient.match(list(range(25)) + [99], "fp")) == 25
     assert cache.match(list(range(25)), "fp", max_tokens=10) is None  # below min_tokens
     assert cache.match(list(range(25)), "other model") is None
     assert cache.remember(list(range(100, 140)), *kv(40), "fp")  # over the bound with the first: evicts it
