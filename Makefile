@@ -17,6 +17,10 @@ PYTEST_ARGS ?=
 # The root conftest.py hands the workers whole files, the longest first, and keeps GROUPS of files on one worker.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+# PYTHONDONTWRITEBYTECODE (set on some machines) is dropped for the tests: with it, each worker and each process
+# a test starts compiles this project's modules again and pytest rewrites every test module again (a worker's
+# collection: ~21 CPU s, ~14 once the bytecode is written). __pycache__ folders are gitignored.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
 .PHONY: install demo test test-fast bench gpu-check quality-model clean redis-server
 
@@ -51,11 +55,11 @@ redis-server:
 
 # All of it, the slow tests too (CI runs them); one folder or test: make test PYTEST_ARGS=tests/engine
 test: $(STAMP) redis-server
-	$(PY) -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Without the tests marked slow (real SmolLM2 weights, notebooks, the README install, the fault trial).
 test-fast: $(STAMP) redis-server
-	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -12,7 +12,7 @@
 # only ~15% of its tokens are recomputed (CacheBlend), instead of prefilling the whole prompt.
 # The same model with full prefill answers next to it, for comparison.
 #
-# Set `CACHEBLEND_EXAMPLE_SMALL=1` for a quick run (two questions, short answers).
+# Set `CACHEBLEND_EXAMPLE_SMALL=1` for a quick run (six articles, two questions, short answers).
 # `examples/llamaindex_faiss_rag.py` is this notebook as a script; `make demo` runs the same
 # pipeline (`examples/demo.py`, whose helpers this notebook imports: run it from `examples/`).
 
@@ -34,7 +34,8 @@ from cacheblend_rag.data import load_demo_corpus, load_demo_questions
 from demo import MostRelevantLast, ask, minilm_folder, plot_comparison, print_comparison  # examples/demo.py
 
 SMALL = os.environ.get("CACHEBLEND_EXAMPLE_SMALL", "0") == "1"
-QUESTIONS = load_demo_questions()[: 2 if SMALL else 5]
+ARTICLES = load_demo_corpus()[: 6 if SMALL else None]
+QUESTIONS = [q for q in load_demo_questions() if q.source in {a.doc_id for a in ARTICLES}][: 2 if SMALL else 5]
 MAX_NEW_TOKENS = 24 if SMALL else 40
 TOP_K = 3
 OUTPUT = Path(os.environ.get("CACHEBLEND_EXAMPLE_OUTPUT", "demo_output"))
@@ -45,12 +46,12 @@ OUTPUT = Path(os.environ.get("CACHEBLEND_EXAMPLE_OUTPUT", "demo_output"))
 # Twenty short encyclopedia-style articles about invented places, people and things, written
 # for this project, so the model cannot answer from memory. The title is node metadata: in
 # LlamaIndex's default `MetadataMode.LLM` it is part of the text the LLM sees, and CacheBlend
-# caches exactly that text.
+# caches exactly that text. (The quick run indexes the first six.)
 
 # %%
 documents = [
     Document(text=article.text, metadata={"title": article.title}, id_=article.doc_id)
-    for article in load_demo_corpus()
+    for article in ARTICLES
 ]
 print(f"{len(documents)} articles; the first as the LLM will see it:\n")
 print(documents[0].get_content(metadata_mode=MetadataMode.LLM)[:300], "...")

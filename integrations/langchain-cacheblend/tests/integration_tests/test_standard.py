@@ -128,7 +128,7 @@ class TestChatCacheBlendSmolLM2(_WithToolsAndStructuredOutput, _CacheBlendSuiteS
     @property
     def chat_model_params(self) -> dict[str, Any]:
         # The suite's prompts are shorter than the engine's min_blend_tokens: blend them anyway.
-        return {"max_tokens": 64, "min_blend_tokens": 0}
+        return {"max_tokens": 56, "min_blend_tokens": 0}
 
     @property
     def supports_json_mode(self) -> bool:
