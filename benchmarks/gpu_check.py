@@ -16,7 +16,8 @@ Where CUDA is present (under five minutes on one GPU):
    nothing, its timing is a real 1B model's) and on the quality model when installed.
 
 Where CUDA is absent it says so and exits 0. ``--device cpu --smoke`` runs every step on tiny
-models on the CPU, to check the script itself (a tiny Qwen2 stands in for the quality model).
+models on the CPU, to check the script itself (a tiny Qwen2 stands in for the quality model); its
+invariant step runs one of the file's tests, since the suite runs the whole file on the CPU already.
 Prints the table, then JSON.
 """
 
@@ -92,10 +93,12 @@ def random_prompt(vocab: int, chunks: int, chunk_tokens: int, seed: int = 0) -> 
 
 
 # ------------------------------------------------------------------ correctness
-def run_invariant_tests(device: torch.device) -> dict[str, Any]:
+def run_invariant_tests(device: torch.device, *, select: str | None = None) -> dict[str, Any]:
+    """The half-precision invariant tests on ``device`` (``select``: a pytest ``-k`` expression)."""
     env = {**os.environ, "CACHEBLEND_TEST_DEVICE": str(device)}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(["-k", select] if select else []),
                            str(REPO / "tests" / "engine" / "test_half_precision.py")],
                           env=env, cwd=REPO, capture_output=True, text=True)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                               "torch": torch.__version__, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d")}
     print(f"gpu-check on {report['device']}, {args.dtype}, torch {torch.__version__}", flush=True)
 
-    report["invariant_tests"] = run_invariant_tests(device)
+    smoke_selection = "ratio_one_equals_full_prefill" if args.smoke else None
+    report["invariant_tests"] = run_invariant_tests(device, select=smoke_selection)
     print(f"1. half-precision invariants on {device}: {report['invariant_tests']['summary']}", flush=True)
 
     if args.smoke:
