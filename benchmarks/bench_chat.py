@@ -27,7 +27,9 @@ The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engi
   integrations turn it on by default, 64MB): the prefix cache keeps each turn's blended K/V (prompt
   and answer) as approximate blocks, so from turn 2 on the whole previous request is reused as is
   (``approximate_prefix_tokens``; ``exact_tokens`` is the system prompt) and only the new message is
-  blended; spans after the chunks that no prefix reaches are blended like chunks.
+  blended, its passages at ``approximate_prefix_chunk_factor`` times the ratio (0.45 at 0.15); spans after
+  the chunks that no prefix reaches are blended like chunks (the 28-token instruction after the passages
+  is too short a partial match to be served from the segment cache).
 
 Per turn the methods take turns (their order rotates from turn to turn), one timed ``chat`` call each:
 TTFT is the response's ``ttft_s`` (request start to the first token, as users see it). Before it, an
@@ -149,6 +151,8 @@ class MethodLLMs:
         if args.approximate_prefix_ratio is not None:  # BlendConfig.approximate_prefix_recompute_ratio
             options["approximate_prefix_recompute_ratio"] = (None if args.approximate_prefix_ratio < 0
                                                              else args.approximate_prefix_ratio)
+        if args.approximate_prefix_chunk_factor is not None:  # BlendConfig.approximate_prefix_chunk_factor
+            options["approximate_prefix_chunk_factor"] = args.approximate_prefix_chunk_factor
         if method.prefix_reuse and not method.blend_chunks:
             options["chunk_cache"] = self.own_store
         # Prefix caching alone still goes through the chunk-finding path (with nothing announced, it finds
@@ -425,6 +429,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="recompute ratio of an approximate prefix's tokens (earlier turns from the prefix cache; "
                         "BlendConfig.approximate_prefix_recompute_ratio; default the package's; 0 reuses them as is, "
                         "a negative value pools them with the chunks under --ratio)")
+    parser.add_argument("--approximate-prefix-chunk-factor", type=float, default=None,
+                        help="behind an approximate prefix reused as is, the chunks' ratio is --ratio times this "
+                        "(BlendConfig.approximate_prefix_chunk_factor; default the package's; 1 keeps --ratio)")
     # A 6-turn conversation reaches about 7,000 tokens, past the package's default bound (256MB, about
     # 5,700 SmolLM2 tokens in float32): the bench's bound holds a whole conversation and the system prompt.
     parser.add_argument("--prefix-cache-bytes", default="1GB", help="bound of each prefix method's prefix cache")

@@ -62,6 +62,16 @@ class BlendConfig:
         on one SmolLM2 conversation 0.1 and 0.15 lowered turn-4 KL against full prefill by 1-1.5% only
         (0.092 to 0.091), raised turns 2-3's, and recomputed 3-4x the tokens; neither met "no worse than
         blending alone" (0.034).
+    approximate_prefix_chunk_factor:
+        Behind an approximate prefix reused as is (a chat's earlier turns from the prefix cache, with
+        ``approximate_prefix_recompute_ratio`` 0), the chunks' share is ``recompute_ratio`` times this
+        (at most 1.0). Blending such a prompt anew would give the history's passages their share of the
+        budget too, and spend much of it where the current question reads, in its own passages; reused as
+        is, the history takes none, so the new passages get it. Default 3.0 (0.45 at the default 0.15),
+        measured with ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations: the new passages'
+        share"): on two SmolLM2 conversations turn-4 KL against full prefill was 0.082/0.153 at 1.0,
+        0.048/0.065 at 2.0 and 0.031/0.045 at 3.0, against blending alone's 0.034/0.049, which recomputes
+        600 tokens there to 3.0's 450. ``1.0``: the chunks' ratio as is.
     check_layer:
         Layer at which the tokens to recompute are chosen. Layers before it are
         recomputed for every token. ``None`` (default) takes the strategy's own:
@@ -106,6 +116,7 @@ class BlendConfig:
     recompute_ratio: float = 0.15
     segment_recompute_ratio: float | None = 0.35
     approximate_prefix_recompute_ratio: float | None = 0.0
+    approximate_prefix_chunk_factor: float = 3.0
     check_layer: int | None = None
     deviation: DeviationKind = "value"
     mask: MaskKind = "exact"
@@ -126,6 +137,7 @@ class BlendConfig:
             _check_range("segment_recompute_ratio", self.segment_recompute_ratio, 0.0, 1.0)
         if self.approximate_prefix_recompute_ratio is not None:
             _check_range("approximate_prefix_recompute_ratio", self.approximate_prefix_recompute_ratio, 0.0, 1.0)
+        _check_range("approximate_prefix_chunk_factor", self.approximate_prefix_chunk_factor, 1.0, 100.0)
         if self.check_layer is not None:
             _check_range("check_layer", self.check_layer, 0, 10_000, integer=True)
         _check_choice("deviation", self.deviation, ("value", "key"))

@@ -45,6 +45,15 @@ CachedKV = tuple[torch.Tensor, torch.Tensor]
 SKIP_EXACT_PREFIX_SHARE = 0.25
 
 
+def chunks_recompute_ratio(cfg: BlendConfig, layout: PromptLayout) -> float:
+    """The chunks' share of recompute: ``recompute_ratio``, times ``approximate_prefix_chunk_factor`` (at most
+    1.0) behind an approximate prefix reused as is, whose history takes no share of the budget."""
+    prefix = layout.prefix
+    if prefix is not None and prefix.approximate_tokens and 0.0 < cfg.recompute_ratio < 1.0:
+        return min(1.0, cfg.recompute_ratio * cfg.approximate_prefix_chunk_factor)
+    return cfg.recompute_ratio
+
+
 class BlendRun:
     """The state of one blend: the merged cache being built and the tokens being carried.
 
@@ -67,6 +76,7 @@ class BlendRun:
         # split off get their own shares, each chosen among its tokens; the chunks' share is chosen among
         # the chunks (and the kinds whose ratio is None). At ratio 0 or 1 there is one pool.
         self.pools: list[tuple[torch.Tensor, int]] | None = None
+        chunk_ratio = chunks_recompute_ratio(cfg, layout)
         own = [(spans, ratio) for spans, ratio in ((layout.segment_spans, cfg.segment_recompute_ratio),
                                                     (layout.approximate_prefix_spans,
                                                      cfg.approximate_prefix_recompute_ratio))
@@ -77,12 +87,12 @@ class BlendRun:
                 for start, end in spans:
                     pool[start:end] = label
             index = torch.arange(layout.n_cached, device=pool.device)
-            ratios = [cfg.recompute_ratio, *(ratio for _, ratio in own)]
+            ratios = [chunk_ratio, *(ratio for _, ratio in own)]
             self.pools = [(index[pool == label], selection_budget(ratio, int((pool == label).sum())))
                           for label, ratio in enumerate(ratios)]
             self.budget = sum(budget for _, budget in self.pools)
         else:
-            self.budget = selection_budget(cfg.recompute_ratio, layout.n_cached)
+            self.budget = selection_budget(chunk_ratio, layout.n_cached)
         # With nothing to blend (every cached token is an exact prefix), reuse is already exact.
         self.full_reuse = cfg.recompute_ratio == 0.0 or layout.n_cached == 0
         # A budget covering every cached token leaves nothing to choose: no strategy, no profile.

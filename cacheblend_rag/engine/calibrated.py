@@ -36,7 +36,8 @@ VERSION = 1
 CALIBRATED_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(BlendConfig)
     if f.name not in ("gate", "gate_tolerance", "fallback_to_full_prefill", "min_blend_tokens",
-                      "segment_recompute_ratio", "approximate_prefix_recompute_ratio")
+                      "segment_recompute_ratio", "approximate_prefix_recompute_ratio",
+                      "approximate_prefix_chunk_factor")
 )
 
 

@@ -167,6 +167,11 @@ class CacheBlendSettings(BaseModel):
         "cache, an earlier blend's K/V), chosen for the current question; 0 reuses them as is, None recomputes them "
         "under recompute_ratio with the chunks.",
     )
+    approximate_prefix_chunk_factor: float = Field(
+        default=_DEFAULTS.approximate_prefix_chunk_factor,
+        description="Behind an approximate prefix reused as is (a chat's earlier turns), the chunks' recompute "
+        "ratio is recompute_ratio times this (at most 1.0): the history takes no share, the new passages get it.",
+    )
     check_layer: Optional[int] = Field(
         default=_DEFAULTS.check_layer,
         description="Layer where the tokens to recompute are chosen; None takes the selection strategy's own.",

@@ -379,13 +379,18 @@ def second_turn(engine):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_counted_apart(arch):
     """At approximate_prefix_recompute_ratio 0 an approximate prefix opens turn 2 as is (nothing
-    recomputed, outside the budget), only what is new is blended, and the stats count it apart from the
-    exact tokens. The flag changes no number."""
+    recomputed, outside the budget), only what is new is blended, with approximate_prefix_chunk_factor times
+    the chunks' share, and the stats count it apart from the exact tokens. At factor 1.0 the flag changes no
+    number."""
     engine = tiny_engine(arch)
     hit, new_chunk, question, lead = second_turn(engine)
     m, exact = len(hit), len(lead)
-    cfg = BlendConfig(recompute_ratio=0.15, approximate_prefix_recompute_ratio=0.0)
     segments = [hit, CachedSegment(new_chunk), FreshSegment(question)]
+    tripled = engine.blend(segments, config=BlendConfig(recompute_ratio=0.15)).stats
+    assert BlendConfig().approximate_prefix_chunk_factor == 3.0
+    assert tripled.recomputed_tokens == selection_budget(0.45, len(new_chunk))
+    assert tripled.approximate_prefix_tokens == m - exact and tripled.exact_tokens == exact
+    cfg = BlendConfig(recompute_ratio=0.15, approximate_prefix_recompute_ratio=0.0, approximate_prefix_chunk_factor=1.0)
     out = engine.blend(segments, config=cfg)
     stats = out.stats
     assert stats.prefix_tokens == m and stats.approximate_prefix_tokens == m - exact and stats.exact_tokens == exact
@@ -396,6 +401,9 @@ def test_a_blended_prompt_comes_back_as_an_approximate_prefix_reused_as_is_and_c
     assert torch.equal(out.logits, as_exact.logits)
     assert out.stats.selected_positions == as_exact.stats.selected_positions
     assert as_exact.stats.exact_tokens == m and as_exact.stats.approximate_prefix_tokens == 0
+    # Behind an exact prefix the chunks keep their own share whatever the factor.
+    exact_default = engine.blend([PrefixSegment(hit.token_ids, hit.kv), *segments[1:]], config=BlendConfig()).stats
+    assert exact_default.recomputed_tokens == selection_budget(0.15, len(new_chunk))
     # Nothing left to blend: prefix_cached, and only the exact part of it is exact K/V.
     only = engine.blend([hit, FreshSegment(question)], config=cfg)
     assert only.stats.mode == "prefix_cached" and only.stats.exact_kv_tokens == exact
@@ -427,7 +435,8 @@ def test_an_approximate_prefix_is_blended_with_its_own_share_and_the_exact_part_
     assert stats.reused_tokens == stats.cached_tokens - expected
     as_is = engine.blend([hit, CachedSegment(new_chunk), FreshSegment(question)],
                          config=cfg.with_overrides(approximate_prefix_recompute_ratio=0.0))
-    assert as_is.stats.recomputed_tokens == selection_budget(0.15, len(new_chunk))
+    # Reused as is, the history takes no share and the chunks take approximate_prefix_chunk_factor times theirs.
+    assert as_is.stats.recomputed_tokens == selection_budget(0.45, len(new_chunk))
     assert not torch.equal(out.logits, as_is.logits)
 
 
@@ -467,6 +476,14 @@ def test_the_approximate_prefix_share_is_validated(value, message):
     with pytest.raises(ConfigError, match=message):
         BlendConfig(approximate_prefix_recompute_ratio=value)
     assert BlendConfig(approximate_prefix_recompute_ratio=None).approximate_prefix_recompute_ratio is None
+
+
+@pytest.mark.parametrize("value, message", [(0.5, "approximate_prefix_chunk_factor=0.5 is out of range"),
+                                            ("x", "approximate_prefix_chunk_factor='x' must be a number"),
+                                            (float("nan"), "approximate_prefix_chunk_factor=nan")])
+def test_the_new_chunks_factor_behind_an_approximate_prefix_is_validated(value, message):
+    with pytest.raises(ConfigError, match=message):
+        BlendConfig(approximate_prefix_chunk_factor=value)
 
 
 def test_few_blendable_tokens_behind_a_cached_prefix_are_computed_fresh_behind_it():
