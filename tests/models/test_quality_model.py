@@ -36,7 +36,8 @@ def test_loads_by_name_and_ratio_one_equals_full_prefill(engine):
     chunk_ids = [engine.tokenize(p) for p in PASSAGES]
     chunks = engine.prefill_chunks(chunk_ids)
     segments = [FreshSegment(lead), *(CachedSegment(c) for c in chunks), FreshSegment(question)]
-    blended = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0))
+    # gate=False: the gate blends a probe at ratio 1.0 against full prefill, which is what this test checks in full.
+    blended = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, gate=False))
     full = engine.full_prefill(lead + [t for c in chunk_ids for t in c] + question)
     assert blended.input_ids == full.input_ids
     assert blended.stats.recomputed_tokens == blended.stats.cached_tokens
