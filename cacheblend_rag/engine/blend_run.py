@@ -48,8 +48,7 @@ SKIP_EXACT_PREFIX_SHARE = 0.25
 def chunks_recompute_ratio(cfg: BlendConfig, layout: PromptLayout) -> float:
     """The chunks' share of recompute: ``recompute_ratio``, times ``approximate_prefix_chunk_factor`` (at most
     1.0) behind an approximate prefix reused as is, whose history takes no share of the budget."""
-    prefix = layout.prefix
-    if prefix is not None and prefix.approximate_tokens and 0.0 < cfg.recompute_ratio < 1.0:
+    if layout.reused_approximate_tokens and 0.0 < cfg.recompute_ratio < 1.0:
         return min(1.0, cfg.recompute_ratio * cfg.approximate_prefix_chunk_factor)
     return cfg.recompute_ratio
 

@@ -94,7 +94,6 @@ def test_bench_chat_fidelity_gives_each_turn_its_kl_and_tokens_for_a_setting(mus
     bench = script("bench_chat")
     fidelity = script("bench_chat_fidelity")
     monkeypatch.setattr(bench, "SYSTEM_PROMPT", "Answer from the passages in a few words.")
-    monkeypatch.setattr(fidelity, "bc", bench)
     common = ["--model", "tiny-llama", "--data", str(musique), "--turns", "3", "--passages", "2",
               "--max-passage-tokens", "24", "--max-new-tokens", "4", "--teacher-tokens", "3"]
     out = tmp_path / "rows.jsonl"
