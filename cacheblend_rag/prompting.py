@@ -165,16 +165,18 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def fallback() -> list[Segment]:
+        return to_segments(split, tokenize, prefix_ids)
+
     # A lone surrogate: an error naming where it is in the prompt, not the tokenizer's TypeError.
     prompt = checked_text("".join(p.text for p in split.pieces), "the prompt")
-    fallback = to_segments(split, tokenize, prefix_ids)
     if not split.has_chunks or not getattr(tokenizer, "is_fast", False):
-        return fallback
+        return fallback()
     encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
     starts = [start for start, _ in offsets]
     if starts != sorted(starts):
-        return fallback
+        return fallback()
     piece_tokens: list[list[int]] = []
     cursor, token = 0, 0
     for piece in split.pieces:
@@ -182,17 +184,20 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
         taken = []
         while token < len(ids) and offsets[token][0] < end:
             if offsets[token][1] > end and piece.is_chunk:
-                return fallback  # a token reaches past the chunk's end
+                return fallback()  # a token reaches past the chunk's end
             taken.append(ids[token])
             token += 1
         piece_tokens.append(taken)
         cursor = end
     if token != len(ids):
-        return fallback
+        return fallback()
+    # Each chunk's own tokens, in one batch call (a chat's prompt holds every turn's chunks).
+    chunk_texts = [piece.text for piece in split.pieces if piece.is_chunk]
+    own = iter(tokenizer(chunk_texts, add_special_tokens=False)["input_ids"])
     segments: list[Segment] = []
     for piece, piece_ids in zip(split.pieces, piece_tokens):
-        if piece.is_chunk and piece_ids != tokenize(piece.text):
-            return fallback
+        if piece.is_chunk and piece_ids != list(next(own)):
+            return fallback()
         if piece_ids:
             segments.append(StoredSegment(piece_ids, prefix_ids) if piece.is_chunk else FreshSegment(piece_ids))
     return segments

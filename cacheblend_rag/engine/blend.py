@@ -135,7 +135,8 @@ class CacheBlendEngine:
     def fingerprint(self) -> str:
         """The model's identity (:mod:`~cacheblend_rag.models.fingerprint`): computed again whenever its
         weights change (in place, replaced, or this engine wraps a copy), so chunk KV of other weights
-        is never reused. Checking costs well under a millisecond; recomputing hashes the weights."""
+        is never reused. Checking walks every parameter (a few milliseconds on a CPU), so a caller that
+        needs it many times in one request reads it once; recomputing hashes the weights."""
         stamp = weights_stamp(self.model)
         if self._fingerprint is None or stamp != self._stamp:
             if self._fingerprint is not None:

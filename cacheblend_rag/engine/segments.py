@@ -14,8 +14,11 @@ from cacheblend_rag.errors import BlendInputError
 def as_token_ids(values: Sequence[int], what: str = "token ids") -> tuple[int, ...]:
     """``values`` as a tuple of ints; a float, bool or anything else that is not an integer is an error
     (``int(2.7)`` would quietly make it token 2)."""
+    ids = tuple(values)
+    if set(map(type, ids)) <= {int}:  # the common case, checked in C: a chat's prompt holds thousands
+        return ids
     out = []
-    for i, value in enumerate(values):
+    for i, value in enumerate(ids):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise BlendInputError(f"{what}[{i}] is {value!r} ({type(value).__name__}); token ids are integers, "
                                   "e.g. from engine.tokenize(text)")

@@ -162,8 +162,11 @@ class BlendService:
         reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
         approximate = bool(split.found) and blend is not None and blend.recompute_ratio < 1.0
         spans = self._spans_after_chunks(segments)
-        segments = self._with_cached_prefix(segments, spans, approximate=approximate)
-        segments, reused = self._with_cached_spans(segments, spans)
+        # Once per request: checking the weights' stamp walks every parameter, and a chat's prompt
+        # has a span after every chunk of every turn.
+        fingerprint = self.engine.fingerprint
+        segments = self._with_cached_prefix(segments, spans, fingerprint, approximate=approximate)
+        segments, reused = self._with_cached_spans(segments, spans, fingerprint)
         prefix = segments[0] if segments and isinstance(segments[0], PrefixSegment) else None
         return PreparedPrompt(
             segments=segments,
@@ -178,7 +181,7 @@ class BlendService:
             segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
 
-    def _with_cached_prefix(self, segments: list[Segment], spans: list[tuple[int, int]], *,
+    def _with_cached_prefix(self, segments: list[Segment], spans: list[tuple[int, int]], fingerprint: str, *,
                             approximate: bool = False) -> list[Segment]:
         """``segments`` opened by the longest prefix of their token ids the prefix cache holds (exact
         blocks only unless ``approximate``). The ids are the ones the blend sees (the whole prompt's
@@ -195,11 +198,11 @@ class BlendService:
         if cache is None or not cache.enabled or not segments:
             return segments
         ids = [t for s in segments for t in s.token_ids]
-        hit = cache.match(ids, self.engine.fingerprint, approximate=approximate)
+        hit = cache.match(ids, fingerprint, approximate=approximate)
         if hit is None:
             return segments
         if hit.approximate_tokens:
-            hit = hit.cut(self._approximate_end(len(hit), hit.exact_tokens, segments, spans, ids))
+            hit = hit.cut(self._approximate_end(len(hit), hit.exact_tokens, segments, spans, ids, fingerprint))
         m, rest, offset = len(hit.token_ids), [], 0
         for s in segments:
             end = offset + len(s.token_ids)
@@ -211,7 +214,7 @@ class BlendService:
         return [hit, *rest] if m else segments
 
     def _approximate_end(self, m: int, exact: int, segments: list[Segment], spans: list[tuple[int, int]],
-                         ids: list[int]) -> int:
+                         ids: list[int], fingerprint: str) -> int:
         """Where an approximate prefix of ``m`` tokens (``exact`` of them exact) should end (see above)."""
         offset = 0
         for s in segments:
@@ -223,7 +226,7 @@ class BlendService:
             for a, b in spans:
                 if exact <= a < m < b:
                     limit = b - a - 1 if b == len(ids) else b - a
-                    if self.segment_cache.reach(ids[a:b], self.engine.fingerprint, max_tokens=limit) > m - a:
+                    if self.segment_cache.reach(ids[a:b], fingerprint, max_tokens=limit) > m - a:
                         return a
         return m
 
@@ -245,7 +248,8 @@ class BlendService:
             offset += n
         return spans
 
-    def _with_cached_spans(self, segments: list[Segment], spans: list[tuple[int, int]]) -> tuple[list[Segment], int]:
+    def _with_cached_spans(self, segments: list[Segment], spans: list[tuple[int, int]],
+                           fingerprint: str) -> tuple[list[Segment], int]:
         """Fresh segments that are whole ``spans`` and open with a span an earlier request computed
         become that span's cached segment and a fresh rest (the last keeps at least its last token
         fresh). Returns the segments and the tokens reused."""
@@ -257,7 +261,7 @@ class BlendService:
             n = len(s.token_ids)
             if cache is not None and isinstance(s, FreshSegment) and offset in starts:
                 last = index == len(segments) - 1
-                hit = cache.match(s.token_ids, self.engine.fingerprint, max_tokens=n - 1 if last else n)
+                hit = cache.match(s.token_ids, fingerprint, max_tokens=n - 1 if last else n)
                 if hit is not None:
                     out.append(CachedSegment(hit))
                     if len(hit) < n:
@@ -277,9 +281,9 @@ class BlendService:
             ids, keys, values = decoding.held_kv()
             if not ids:
                 return
+            fingerprint = self.engine.fingerprint
             if self.prefix_cache is not None and self.prefix_cache.enabled:
                 exact = decoding.stats.exact_kv_tokens
-                fingerprint = self.engine.fingerprint
                 if exact < decoding.prompt_tokens:
                     # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
                     self.prefix_cache.insert(ids[:exact], keys, values, fingerprint)
@@ -287,19 +291,19 @@ class BlendService:
                 else:
                     self.prefix_cache.insert(ids, keys, values, fingerprint)
             if self.segment_cache is not None and prepared.spans:
-                self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens)
+                self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens, fingerprint)
         except Exception:  # keeping K/V is an optimisation: it never fails the request
             logger.exception("could not keep this request's K/V for later requests")
 
     def _keep_spans(self, ids: list[int], keys: list[Any], values: list[Any], spans: list[tuple[int, int]],
-                    prompt_tokens: int) -> None:
+                    prompt_tokens: int, fingerprint: str) -> None:
         a = self.engine.adapter
         assert a is not None and self.segment_cache is not None
         for start, end in spans:
             if end == prompt_tokens:
                 end = len(ids)  # the span that ends the prompt continues with the answer
             self.segment_cache.remember(ids[start:end], unrotated_keys(a, keys, start, end),
-                                        [v[0, :, start:end] for v in values], self.engine.fingerprint)
+                                        [v[0, :, start:end] for v in values], fingerprint)
 
     def _no_reuse(self, prompt: str, tokens: int) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
