@@ -87,12 +87,12 @@ class PartialAttention:
 
 def attention_with_weights(
     a: DecoderAdapter, layer: int, q_rot: torch.Tensor, q_positions: torch.Tensor, key_layer: torch.Tensor,
-    value_layer: torch.Tensor | None, hidden_keys: tuple[int, int] = (0, 0),
+    value_layer: torch.Tensor | None, hidden_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Causal attention of the queries ``q_rot`` (at ``q_positions``) over every key, by hand:
     the output ``[1, heads, rows, head_dim]`` (``None`` without ``value_layer``) and the
     weights ``[1, heads, rows, n]``, accumulated in float32. Keys at positions
-    ``[hidden_keys[0], hidden_keys[1])`` are masked out for every query."""
+    ``hidden_keys`` (a tensor of them) are masked out for every query."""
     _, heads, rows, dim = q_rot.shape
     kv_heads, n = key_layer.shape[1], key_layer.shape[2]
     group = heads // kv_heads
@@ -108,7 +108,8 @@ def attention_with_weights(
     if window is not None:
         blocked |= key_pos <= q_positions[:, None] - window
     scores[..., first:].masked_fill_(blocked, float("-inf"))
-    scores[..., hidden_keys[0] : hidden_keys[1]] = float("-inf")
+    if hidden_keys is not None and hidden_keys.numel():
+        scores.index_fill_(-1, hidden_keys, float("-inf"))
     probs = scores.softmax(-1)
     if value_layer is None:
         return None, probs

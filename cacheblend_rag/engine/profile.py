@@ -38,19 +38,22 @@ def profile_question(
     each cached token. Per layer and head the mass is normalised over the cached tokens, so heads
     that mostly attend the fresh lead or the question itself still count.
 
-    With ``question_tokens``, only the question's last ``question_tokens`` tokens run: the earlier
-    ones (on a RAG prompt, mostly the fixed instruction before the question) are left out of
-    the pass altogether, and the kept ones do not see them. The pass is an estimate that only
-    ranks tokens; the blend then computes the whole question exactly."""
+    The pass is an estimate that only ranks tokens; the blend then computes every fresh token
+    exactly. So it runs only the fresh tokens it needs: the lead before the first cached token
+    (a template's opening, whose K/V the blend takes from this pass when it covers every layer)
+    and the question's last ``question_tokens`` tokens (``None``: all of the last fresh segment).
+    The rest of the question (on a RAG prompt, mostly the fixed instruction before it) and the
+    fresh glue between cached tokens (separators; in a chat, each turn's template around its
+    passages) are left out of the pass altogether, and the kept tokens do not see them."""
     fresh_pos, cached_pos, question_len = layout.fresh_pos, layout.cached_pos, layout.question_len
-    dropped = (0, 0)  # positions [start, end) of the question left out of the pass
+    n_fresh = fresh_pos.numel()
     if question_tokens is not None and question_tokens < question_len:
-        n_fresh = fresh_pos.numel()
-        dropped = (int(fresh_pos[n_fresh - question_len]), int(fresh_pos[n_fresh - question_tokens - 1]) + 1)
-        active = torch.cat([fresh_pos[: n_fresh - question_len], fresh_pos[n_fresh - question_tokens :]])
         question_len = question_tokens
-    else:
-        active = fresh_pos
+    lead = fresh_pos[: n_fresh - layout.question_len]
+    if cached_pos.numel():
+        lead = lead[lead < cached_pos[0]]
+    active = torch.cat([lead, fresh_pos[n_fresh - question_len:]])
+    hidden_fresh = fresh_pos[~torch.isin(fresh_pos, active)]  # fresh positions the pass leaves out
     hidden = a.embed(layout.ids[active].unsqueeze(0))
     q_cos, q_sin = merged.cos[:, active], merged.sin[:, active]
     question_rows = slice(active.numel() - question_len, None)
@@ -70,7 +73,7 @@ def profile_question(
         # The question's rows are computed by hand, so their attention weights serve both the
         # profile and the layer's output; the other fresh rows (the lead) go through SDPA.
         q_out, probs = attention_with_weights(a, layer, q_rot[:, :, question_rows], active[question_rows],
-                                              key_layer, value_layer, hidden_keys=dropped)
+                                              key_layer, value_layer, hidden_keys=hidden_fresh)
         assert q_out is not None
         mass = probs.sum(dim=2)[0][:, cached_pos]  # [heads, n_cached]
         scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
