@@ -31,7 +31,8 @@ The methods (:data:`METHODS`), each its own ``CacheBlendLLM`` on one shared engi
   the chunks that no prefix reaches are blended like chunks (the 28-token instruction after the passages
   is too short a partial match to be served from the segment cache).
 
-Per turn the methods take turns (their order rotates from turn to turn), one timed ``chat`` call each:
+Per turn the methods take turns (their order rotates from turn to turn and from conversation to conversation,
+so at turn 4 of conversations 1-3 each method is timed in three different places), one timed ``chat`` call each:
 TTFT is the response's ``ttft_s`` (request start to the first token, as users see it). Before it, an
 untimed pass blends the very same prompt the way the call will (``service.prepare`` and
 ``engine.blend`` on the scheduler's worker, which insert nothing into any cache) and teacher-forces
@@ -215,7 +216,7 @@ def method_logits(llm: CacheBlendLLM, prompt: str, tokens: Sequence[int]) -> tup
 
 def run_turn(engine: CacheBlendEngine, llms: dict[str, CacheBlendLLM], histories: dict[str, list[ChatMessage]],
              texts: list[str], example: MusiqueExample, turn: int, args: argparse.Namespace,
-             eos: set[int]) -> dict[str, Any]:
+             eos: set[int], conversation: int = 0) -> dict[str, Any]:
     message = ChatMessage(role="user", content=user_message(texts, example.question))
     for history in histories.values():
         history.append(message)
@@ -226,7 +227,9 @@ def run_turn(engine: CacheBlendEngine, llms: dict[str, CacheBlendLLM], histories
                           f"{engine.context_window} with the answer; lower --turns, --passages or --max-passage-tokens")
     answer, forced, reference_logits = reference(engine, next(iter(llms.values())), prompt, args, eos)
     names = list(llms)
-    shift = (turn - 1) % len(names)  # the methods' order rotates, so none is always first after the reference
+    # The methods' order rotates from turn to turn and from conversation to conversation, so no method holds
+    # one place (first after the reference's full prefill, say) at every turn of the median.
+    shift = (turn - 1 + conversation) % len(names)
     row: dict[str, Any] = {"turn": turn, "prompt_tokens": prompt_tokens, "question": example.question,
                            "reference_answer": answer, "methods": {}}
     for name in names[shift:] + names[:shift]:
@@ -294,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         turns = []
         for t, (example, turn_texts) in enumerate(zip(chosen, texts), start=1):
             bar.set_postfix_str(f"conversation {c + 1} turn {t}")
-            turns.append(run_turn(engine, llms, histories, turn_texts, example, t, args, eos))
+            turns.append(run_turn(engine, llms, histories, turn_texts, example, t, args, eos, conversation=c))
             bar.update(1)
         conversations.append(turns)
     bar.close()
