@@ -265,6 +265,52 @@ def test_query_profiled_picks_the_tokens_the_question_attends_in_full_reuse(prof
     assert blended.stats.timings["profile"] > 0
 
 
+def test_query_profiled_leaves_the_glue_between_chunks_out_of_its_pass():
+    """Fresh glue between cached chunks (a separator; in a chat, a turn's template) is left out of the
+    profile pass and hidden from the question, like the question's dropped opening: recomputed
+    independently, the question's eager attention over the full-reuse cache with those keys masked.
+    The blend still computes the glue exactly: at ratio 1.0 it equals full prefill."""
+    engine = make_engine("llama")
+    glue = engine.tokenize("\n---\n")
+    lead, question = engine.tokenize(PREFIX), engine.tokenize(QUESTION)
+    chunk_ids = [engine.tokenize(c) for c in CHUNKS]
+    chunks = engine.prefill_chunks(chunk_ids)
+    segments = [FreshSegment(lead), CachedSegment(chunks[0]), FreshSegment(glue), CachedSegment(chunks[1]),
+                FreshSegment(glue), CachedSegment(chunks[2]), FreshSegment(question)]
+    full_ids = [t for s in segments for t in s.token_ids]
+    n, q_len = len(full_ids), len(question)
+    cached = torch.zeros(n, dtype=torch.bool)
+    offset = 0
+    for s in segments:
+        cached[offset:offset + len(s.token_ids)] = isinstance(s, CachedSegment)
+        offset += len(s.token_ids)
+    glue_pos = (~cached).nonzero().flatten()
+    glue_pos = glue_pos[(glue_pos >= len(lead)) & (glue_pos < n - q_len)]
+    assert glue_pos.numel() == 2 * len(glue)
+    reuse_cache = engine.blend(segments, config=BlendConfig(recompute_ratio=0.0)).cache
+    reuse_cache.crop(-q_len)
+    visible = torch.ones(1, n, dtype=torch.long)
+    visible[0, glue_pos] = 0
+    model = engine.model
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=torch.tensor([question]), cache=reuse_cache, attention_mask=visible,
+                    position_ids=torch.arange(n - q_len, n).unsqueeze(0), output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    scores = torch.zeros(int(cached.sum()))
+    for layer_attention in out.attentions:  # [1, heads, q_len, n]
+        mass = layer_attention[0].float().sum(dim=1)[:, cached]
+        scores += (mass / mass.sum(dim=1, keepdim=True)).sum(dim=0)
+    budget = selection_budget(0.3, int(cached.sum()))
+    cached_pos = cached.nonzero().flatten()
+    expected = sorted(cached_pos[torch.topk(scores, budget).indices].tolist())
+    config = BlendConfig(recompute_ratio=0.3, selection="query_profiled", profile_tokens=None)
+    assert engine.blend(segments, config=config).stats.selected_positions == expected
+    exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0))
+    torch.testing.assert_close(exact.logits, engine.full_prefill(full_ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_check_layer_defaults_to_the_strategys_own():
     engine = make_engine("llama")
     assert engine.plan(BlendConfig(selection="kv_deviation"))[1] == 1
