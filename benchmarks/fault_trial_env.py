@@ -250,9 +250,8 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
         # such a request plus its wait, and any of them may land at the top of the cold requests' own
         # spread: against their p95 alone (of 8, their slowest) a stopped request slower than every cold
         # one by chance (for timings alike, 1 chance in 9 each; it failed one full `make test` run of
-        # six) would read as a second wait. So the bound
-        # also allows that spread (p95 over median); two waits would still be past it unless the cold
-        # requests' spread alone exceeds a wait.
+        # six) would read as a second wait. So the bound also allows that spread (p95 over median); two
+        # waits would still be past it unless the cold requests' spread alone exceeds a wait.
         spread = p95(cold) - statistics.median(cold)
         bound = p95(cold) + READ_TIMEOUT + spread
         return dict(answer_same=same, healthy_p95_s=round(p95(healthy), 2), cold_p95_s=round(p95(cold), 2),
