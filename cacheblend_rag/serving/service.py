@@ -277,12 +277,16 @@ class BlendService:
         """After a request, on the worker: its K/V into the prefix cache, prompt and answer (the next turn
         of a chat opens with both): the exact part as exact blocks, the rest, when the prompt was not
         all exact, as approximate blocks; and its spans after the chunks into the segment cache."""
+        keep_prefix = self.prefix_cache is not None and self.prefix_cache.enabled
+        keep_spans = self.segment_cache is not None and bool(prepared.spans)
+        if not (keep_prefix or keep_spans):
+            return  # no cache to keep it in: not even the weights' stamp is read
         try:
             ids, keys, values = decoding.held_kv()
             if not ids:
                 return
             fingerprint = self.engine.fingerprint
-            if self.prefix_cache is not None and self.prefix_cache.enabled:
+            if keep_prefix:
                 exact = decoding.stats.exact_kv_tokens
                 if exact < decoding.prompt_tokens:
                     # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
@@ -290,7 +294,7 @@ class BlendService:
                     self.prefix_cache.insert(ids, keys, values, fingerprint, approximate=True)
                 else:
                     self.prefix_cache.insert(ids, keys, values, fingerprint)
-            if self.segment_cache is not None and prepared.spans:
+            if keep_spans:
                 self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens, fingerprint)
         except Exception:  # keeping K/V is an optimisation: it never fails the request
             logger.exception("could not keep this request's K/V for later requests")
