@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -205,13 +206,58 @@ def _install_and_run_each(home: Path, sources: Path) -> None:
                              capture_output=True, text=True, check=True).stdout.strip()
     # The build `make install` got from the same pin: here the CPU wheel on disk, not a CUDA download.
     assert version == torch.__version__
-    ran_already: set[str] = set()
+    snippets: list[tuple[Path, str]] = []
     for readme in READMES:
         _, snippet = readme_blocks(readme)
-        if snippet in ran_already:  # word for word an earlier README's, in the same virtualenv: it ran
-            continue
-        ran_already.add(snippet)
-        ran = subprocess.run([str(python), "-c", snippet], cwd=home, capture_output=True, text=True, timeout=900,
-                             env=_clean_env(home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1"))
-        assert ran.returncode == 0, f"{readme}: the first snippet failed\n{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
-        assert ran.stdout.strip(), f"{readme}: the first snippet printed nothing"
+        if snippet not in [s for _, s in snippets]:  # word for word an earlier README's: it runs once
+            snippets.append((readme, snippet))
+    done = subprocess.run([str(python), "-c", SNIPPET_RUNNER], input=json.dumps([s for _, s in snippets]),
+                          cwd=home, capture_output=True, text=True, timeout=1800,
+                          env=_clean_env(home, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, f"the snippet runner failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    outcomes = json.loads(done.stdout.splitlines()[-1])
+    assert len(outcomes) == len(snippets)
+    for (readme, _), ran in zip(snippets, outcomes):
+        assert ran["returncode"] == 0, f"{readme}: the first snippet failed\n{ran['stdout'][-2000:]}\n{ran['stderr'][-4000:]}"
+        assert ran["stdout"].strip(), f"{readme}: the first snippet printed nothing"
+
+
+# Runs each snippet (a JSON list on stdin) in a child forked from one interpreter that has imported the
+# heavy libraries they all import (torch, transformers, sentence-transformers, LlamaIndex's and LangChain's
+# cores: ~17 s of CPU per interpreter here), so that the second and third snippets do not import them
+# again. Each child starts from an empty namespace, as `python -c` does: a snippet that forgets an import
+# still fails, and one that needs a package its install block left out fails at its own import (the
+# runner skips what is not installed). What a snippet does to the process (a model cache, an environment
+# variable) dies with its child. Prints one JSON line: each snippet's exit status and output.
+SNIPPET_RUNNER = r"""
+import json, os, sys, tempfile, traceback
+for name in ("torch", "transformers", "sentence_transformers", "llama_index.core", "langchain_core"):
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+outcomes = []
+for snippet in json.load(sys.stdin):
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        code = 0
+        try:
+            exec(compile(snippet, "<snippet>", "exec"), {"__name__": "__main__"})
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", "replace"))
+    outcomes.append({"returncode": os.waitstatus_to_exitcode(status), "stdout": texts[0], "stderr": texts[1]})
+print(json.dumps(outcomes))
+"""
