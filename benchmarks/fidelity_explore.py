@@ -23,6 +23,7 @@ each method's recovery against its TTFT speedup at 3,043 tokens, estimated as it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,6 +49,8 @@ from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment
 from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, SelectionNeeds, SelectionStrategy,
                                              register_strategy, top_indices)
+
+from fidelity_ape import ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 
 ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
 
@@ -124,11 +127,20 @@ def parse_method(spec: str):
         except Exception:
             pass
         kw[k] = v
+    kw.pop("ape_T", None), kw.pop("ape_S", None)  # APE's attention (fidelity_ape.py): see ape_of()
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
         cfg = BlendConfig(selection=name, recompute_ratio=float(ratio), **kw)
     return cfg, prefix
+
+
+def ape_of(spec: str) -> tuple[float, float] | None:
+    """APE's temperature and scale from a method's ``;ape_T=...;ape_S=...`` (either defaults to 1), or None."""
+    extras = dict(e.partition("=")[::2] for e in spec.split(";")[1:])
+    if "ape_T" not in extras and "ape_S" not in extras:
+        return None
+    return float(extras.get("ape_T", 1.0)), float(extras.get("ape_S", 1.0))
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
@@ -197,12 +209,14 @@ def run(args: argparse.Namespace) -> None:
         for m in todo:
             cfg, cond = parse_method(m)
             segs = [CachedSegment(lead), *(CachedSegment(c) for c in chunks[cond]), FreshSegment(prompt.tail_ids)]
-            t0 = time.time()
-            res = engine.blend(segs, config=cfg)
-            blend_s = time.time() - t0
-            # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer
             n_lead = len(prompt.lead_ids)
             cached = torch.arange(n_lead, n_lead + sum(len(c) for c in prompt.chunk_ids))
+            ape = ape_of(m)
+            t0 = time.time()
+            with ape_blend(cached, len(ids), *ape) if ape else contextlib.nullcontext():
+                res = engine.blend(segs, config=cfg)
+            blend_s = time.time() - t0
+            # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer
             sel = torch.tensor(res.stats.selected_positions, dtype=torch.long)
             stale_mask = torch.ones(len(ids), dtype=torch.bool)
             stale_mask[:] = False
@@ -216,7 +230,8 @@ def run(args: argparse.Namespace) -> None:
                 s = stale_mask
                 kd.append(float((kb[:, s] - kr[:, s]).norm() / kr[:, s].norm()))
                 vd.append(float((vb[:, s] - vr[:, s]).norm() / vr[:, s].norm()))
-            logits = teacher_forced_logits(engine, res.logits, res.cache, len(ids), ref_tokens)
+            with ape_teacher_forcing(engine.model, stale_mask, *ape) if ape else contextlib.nullcontext():
+                logits = teacher_forced_logits(engine, res.logits, res.cache, len(ids), ref_tokens)
             kl = token_kl(ref_logits, logits)
             rec = {"model": args.model, "setup": setup, "q": q, "method": m, "kl": float(kl.mean()),
                    "kl_pos": [round(float(x), 4) for x in kl], "top1": top1_agreement(ref_logits, logits),
