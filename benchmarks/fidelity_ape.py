@@ -14,6 +14,7 @@ Research code: it patches the engine's partial attention while active and is not
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -27,9 +28,13 @@ _NAME = "ape_research"
 
 
 def ape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
-                  context_keys: torch.Tensor, scale: float, temperature: float, lse_scale: float) -> torch.Tensor:
+                  context_keys: torch.Tensor, scale: float, temperature: float, lse_scale: float,
+                  mass: float = 1.0) -> torch.Tensor:
     """``q`` ``[1, heads, rows, d]`` at ``query_positions``; ``k``/``v`` ``[1, kv_heads, n, d]``;
-    ``context_keys`` a bool ``[n]``. Causal. Returns ``[1, heads, rows, d]``."""
+    ``context_keys`` a bool ``[n]``. Causal. Returns ``[1, heads, rows, d]``. ``mass`` (ours, not APE's)
+    multiplies the context's share before normalising, ``lse_C + log(mass)``: a change of the context's
+    attention by a fixed factor, whatever the size of its logits (APE's ``S * lse_C`` moves it by
+    ``exp((S - 1) lse_C)``, which is large where the logits are)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -46,7 +51,7 @@ def ape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_posit
     has_c = in_context.any(dim=-1)[None, None, :, None]
     out_c = torch.matmul(torch.softmax(lc, dim=-1) * in_context, v.float())
     out_o = torch.matmul(torch.softmax(lo, dim=-1) * in_other, v.float())
-    mix = torch.softmax(torch.cat([torch.where(has_c, lse_scale * lse_c, neg), lse_o], dim=-1), dim=-1)
+    mix = torch.softmax(torch.cat([torch.where(has_c, lse_scale * lse_c + math.log(mass), neg), lse_o], dim=-1), dim=-1)
     return (mix[..., :1] * out_c + mix[..., 1:] * out_o).to(q.dtype)
 
 
@@ -56,7 +61,7 @@ def _partial(self, a, layer, q_rot, key_layer, value_layer, positions):  # Parti
     stale = context.clone()
     stale[positions] = False  # the rows computed now (the question, the recomputed tokens) are not stale
     return ape_attention(q_rot, key_layer, value_layer, positions, stale, a.attention_scale(layer),
-                         _STATE["temperature"], _STATE["lse_scale"])
+                         _STATE["temperature"], _STATE["lse_scale"], _STATE["mass"])
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -65,7 +70,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     stale = torch.zeros(n, dtype=torch.bool, device=query.device)
     known = _STATE["stale"]
     stale[: known.numel()] = known
-    out = ape_attention(query, key, value, positions, stale, scaling, _STATE["temperature"], _STATE["lse_scale"])
+    out = ape_attention(query, key, value, positions, stale, scaling, _STATE["temperature"], _STATE["lse_scale"], _STATE["mass"])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -73,12 +78,13 @@ AttentionInterface.register(_NAME, _hf_attention)
 
 
 @contextmanager
-def ape_blend(context_positions: torch.Tensor, prompt_length: int, temperature: float, lse_scale: float) -> Iterator[None]:
+def ape_blend(context_positions: torch.Tensor, prompt_length: int, temperature: float, lse_scale: float,
+              mass: float = 1.0) -> Iterator[None]:
     """Inside, the engine's blends use APE's attention over the stale entries among ``context_positions``
     (the cached chunk tokens of a ``prompt_length``-token prompt)."""
     context = torch.zeros(prompt_length, dtype=torch.bool)
     context[context_positions] = True
-    _STATE.update(context=context, temperature=float(temperature), lse_scale=float(lse_scale))
+    _STATE.update(context=context, temperature=float(temperature), lse_scale=float(lse_scale), mass=float(mass))
     original = engine_attention.PartialAttention.__call__
     engine_attention.PartialAttention.__call__ = _partial
     try:
@@ -88,9 +94,10 @@ def ape_blend(context_positions: torch.Tensor, prompt_length: int, temperature: 
 
 
 @contextmanager
-def ape_teacher_forcing(model, stale: torch.Tensor, temperature: float, lse_scale: float) -> Iterator[None]:
+def ape_teacher_forcing(model, stale: torch.Tensor, temperature: float, lse_scale: float,
+                        mass: float = 1.0) -> Iterator[None]:
     """Inside, ``model``'s attention is APE's over the prompt positions ``stale`` (bool ``[prompt_length]``)."""
-    _STATE.update(stale=stale, temperature=float(temperature), lse_scale=float(lse_scale))
+    _STATE.update(stale=stale, temperature=float(temperature), lse_scale=float(lse_scale), mass=float(mass))
     before = model.config._attn_implementation
     model.config._attn_implementation = _NAME
     try:

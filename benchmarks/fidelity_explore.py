@@ -127,7 +127,7 @@ def parse_method(spec: str):
         except Exception:
             pass
         kw[k] = v
-    kw.pop("ape_T", None), kw.pop("ape_S", None)  # APE's attention (fidelity_ape.py): see ape_of()
+    kw.pop("ape_T", None), kw.pop("ape_S", None), kw.pop("ape_M", None)  # APE's attention (fidelity_ape.py): see ape_of()
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -135,12 +135,13 @@ def parse_method(spec: str):
     return cfg, prefix
 
 
-def ape_of(spec: str) -> tuple[float, float] | None:
-    """APE's temperature and scale from a method's ``;ape_T=...;ape_S=...`` (either defaults to 1), or None."""
+def ape_of(spec: str) -> tuple[float, float, float] | None:
+    """APE's temperature and scale and our mass factor from a method's ``;ape_T=...;ape_S=...;ape_M=...``
+    (each defaults to 1), or None."""
     extras = dict(e.partition("=")[::2] for e in spec.split(";")[1:])
-    if "ape_T" not in extras and "ape_S" not in extras:
+    if not {"ape_T", "ape_S", "ape_M"} & set(extras):
         return None
-    return float(extras.get("ape_T", 1.0)), float(extras.get("ape_S", 1.0))
+    return tuple(float(extras.get(name, 1.0)) for name in ("ape_T", "ape_S", "ape_M"))  # type: ignore[return-value]
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],

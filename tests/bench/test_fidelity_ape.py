@@ -43,3 +43,13 @@ def test_without_context_keys_nothing_changes(temperature, scale):
     exact = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, 1.0, 1.0)
     got = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, temperature, scale)
     torch.testing.assert_close(got, exact)
+
+
+def test_the_mass_factor_scales_the_contexts_share_by_that_factor():
+    q, k, v, positions, context = _inputs(rows=1)
+    n = k.shape[2]
+    # Values that tell the parts apart: 1 on the context keys, 0 elsewhere; the output is the context's share.
+    v = context.float().view(1, 1, n, 1).expand(1, 2, n, 8).contiguous()
+    share = ape_attention(q, k, v, positions, context, 0.3, 1.0, 1.0)[..., 0]
+    halved = ape_attention(q, k, v, positions, context, 0.3, 1.0, 1.0, mass=0.5)[..., 0]
+    torch.testing.assert_close(halved, 0.5 * share / (0.5 * share + (1 - share)))
