@@ -65,6 +65,8 @@ def _partial(self, a, layer, q_rot, key_layer, value_layer, positions):  # Parti
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    # One sequence, causal, no window: the research loop's teacher forcing; anything else is refused.
+    assert query.shape[0] == 1 and kwargs.get("sliding_window") is None, "APE research: one sequence, no window"
     n, rows = key.shape[2], query.shape[2]
     positions = torch.arange(n - rows, n, device=query.device)
     stale = torch.zeros(n, dtype=torch.bool, device=query.device)

@@ -52,6 +52,7 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
 
 from fidelity_ape import ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 
+APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # temperature, log-sum-exp scale, mass factor
 ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
 
 
@@ -127,7 +128,8 @@ def parse_method(spec: str):
         except Exception:
             pass
         kw[k] = v
-    kw.pop("ape_T", None), kw.pop("ape_S", None), kw.pop("ape_M", None)  # APE's attention (fidelity_ape.py): see ape_of()
+    for option in APE_OPTIONS:  # APE's attention (fidelity_ape.py), not a blend setting: see ape_of()
+        kw.pop(option, None)
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -139,9 +141,9 @@ def ape_of(spec: str) -> tuple[float, float, float] | None:
     """APE's temperature and scale and our mass factor from a method's ``;ape_T=...;ape_S=...;ape_M=...``
     (each defaults to 1), or None."""
     extras = dict(e.partition("=")[::2] for e in spec.split(";")[1:])
-    if not {"ape_T", "ape_S", "ape_M"} & set(extras):
+    if not set(APE_OPTIONS) & set(extras):
         return None
-    return tuple(float(extras.get(name, 1.0)) for name in ("ape_T", "ape_S", "ape_M"))  # type: ignore[return-value]
+    return tuple(float(extras.get(name, 1.0)) for name in APE_OPTIONS)  # type: ignore[return-value]
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],

@@ -228,7 +228,7 @@ def _install_and_run_each(home: Path, sources: Path) -> None:
 # again. Each child starts from an empty namespace, as `python -c` does: a snippet that forgets an import
 # still fails, and one that needs a package its install block left out fails at its own import (the
 # runner skips what is not installed). What a snippet does to the process (a model cache, an environment
-# variable) dies with its child. Prints one JSON line: each snippet's exit status and output.
+# variable) dies with its child, which exits as the interpreter would (threads joined, exit handlers run). Prints one JSON line: each snippet's exit status and output.
 SNIPPET_RUNNER = r"""
 import json, os, sys, tempfile, traceback
 for name in ("torch", "transformers", "sentence_transformers", "llama_index.core", "langchain_core"):
@@ -243,16 +243,14 @@ for snippet in json.load(sys.stdin):
     pid = os.fork()
     if pid == 0:
         os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-        code = 0
         try:
             exec(compile(snippet, "<snippet>", "exec"), {"__name__": "__main__"})
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except SystemExit:
+            raise
         except BaseException:
             traceback.print_exc()
-            code = 1
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(code)
+            sys.exit(1)
+        sys.exit(0)  # the child ends as `python -c` does: its threads joined, its exit handlers run
     _, status = os.waitpid(pid, 0)
     texts = []
     for f in (out, err):
