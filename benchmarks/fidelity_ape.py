@@ -16,25 +16,34 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from transformers import AttentionInterface
 
 from cacheblend_rag.engine import attention as engine_attention
 
-_STATE: dict[str, object] = {}
+_STATE: dict[str, Any] = {}
 _NAME = "ape_research"
 
 
+@dataclass(frozen=True)
+class ApeSetting:
+    """APE's temperature ``T`` over the context and scale ``S`` on its log-sum-exp, and ``mass`` (ours,
+    not APE's): a fixed factor on the context's share, ``lse_C + log(mass)``, whatever the size of its
+    logits (APE's ``S * lse_C`` moves the share by ``exp((S - 1) lse_C)``, large where the logits are).
+    All three at 1: exact attention."""
+
+    temperature: float = 1.0
+    lse_scale: float = 1.0
+    mass: float = 1.0
+
+
 def ape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
-                  context_keys: torch.Tensor, scale: float, temperature: float, lse_scale: float,
-                  mass: float = 1.0) -> torch.Tensor:
+                  context_keys: torch.Tensor, scale: float, setting: ApeSetting) -> torch.Tensor:
     """``q`` ``[1, heads, rows, d]`` at ``query_positions``; ``k``/``v`` ``[1, kv_heads, n, d]``;
-    ``context_keys`` a bool ``[n]``. Causal. Returns ``[1, heads, rows, d]``. ``mass`` (ours, not APE's)
-    multiplies the context's share before normalising, ``lse_C + log(mass)``: a change of the context's
-    attention by a fixed factor, whatever the size of its logits (APE's ``S * lse_C`` moves it by
-    ``exp((S - 1) lse_C)``, which is large where the logits are)."""
+    ``context_keys`` a bool ``[n]``. Causal. Returns ``[1, heads, rows, d]``."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -44,24 +53,23 @@ def ape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_posit
     in_context = allowed & context_keys[None, :]
     in_other = allowed & ~context_keys[None, :]
     neg = torch.finfo(logits.dtype).min
-    lc = torch.where(in_context, logits / temperature, neg)
+    lc = torch.where(in_context, logits / setting.temperature, neg)
     lo = torch.where(in_other, logits, neg)
     lse_c = torch.logsumexp(lc, dim=-1, keepdim=True)
     lse_o = torch.logsumexp(lo, dim=-1, keepdim=True)
     has_c = in_context.any(dim=-1)[None, None, :, None]
     out_c = torch.matmul(torch.softmax(lc, dim=-1) * in_context, v.float())
     out_o = torch.matmul(torch.softmax(lo, dim=-1) * in_other, v.float())
-    mix = torch.softmax(torch.cat([torch.where(has_c, lse_scale * lse_c + math.log(mass), neg), lse_o], dim=-1), dim=-1)
+    context_weight = torch.where(has_c, setting.lse_scale * lse_c + math.log(setting.mass), neg)
+    mix = torch.softmax(torch.cat([context_weight, lse_o], dim=-1), dim=-1)
     return (mix[..., :1] * out_c + mix[..., 1:] * out_o).to(q.dtype)
 
 
 def _partial(self, a, layer, q_rot, key_layer, value_layer, positions):  # PartialAttention.__call__
-    context = _STATE["context"]
     assert self.mask == "exact" and a.sliding_window(layer) is None, "APE research: exact mask, no window"
-    stale = context.clone()
+    stale = _STATE["context"].clone()
     stale[positions] = False  # the rows computed now (the question, the recomputed tokens) are not stale
-    return ape_attention(q_rot, key_layer, value_layer, positions, stale, a.attention_scale(layer),
-                         _STATE["temperature"], _STATE["lse_scale"], _STATE["mass"])
+    return ape_attention(q_rot, key_layer, value_layer, positions, stale, a.attention_scale(layer), _STATE["setting"])
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -72,7 +80,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     stale = torch.zeros(n, dtype=torch.bool, device=query.device)
     known = _STATE["stale"]
     stale[: known.numel()] = known
-    out = ape_attention(query, key, value, positions, stale, scaling, _STATE["temperature"], _STATE["lse_scale"], _STATE["mass"])
+    out = ape_attention(query, key, value, positions, stale, scaling, _STATE["setting"])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -80,29 +88,25 @@ AttentionInterface.register(_NAME, _hf_attention)
 
 
 @contextmanager
-def ape_blend(context_positions: torch.Tensor, prompt_length: int, temperature: float, lse_scale: float,
-              mass: float = 1.0) -> Iterator[None]:
+def _swapped(owner: Any, attribute: str, value: Any, **state: Any) -> Iterator[None]:
+    """``owner.attribute`` set to ``value``, and ``state`` kept for the hooks, until the block ends."""
+    _STATE.update(state)
+    before = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, before)
+
+
+def ape_blend(context_positions: torch.Tensor, prompt_length: int, setting: ApeSetting):
     """Inside, the engine's blends use APE's attention over the stale entries among ``context_positions``
     (the cached chunk tokens of a ``prompt_length``-token prompt)."""
     context = torch.zeros(prompt_length, dtype=torch.bool)
     context[context_positions] = True
-    _STATE.update(context=context, temperature=float(temperature), lse_scale=float(lse_scale), mass=float(mass))
-    original = engine_attention.PartialAttention.__call__
-    engine_attention.PartialAttention.__call__ = _partial
-    try:
-        yield
-    finally:
-        engine_attention.PartialAttention.__call__ = original
+    return _swapped(engine_attention.PartialAttention, "__call__", _partial, context=context, setting=setting)
 
 
-@contextmanager
-def ape_teacher_forcing(model, stale: torch.Tensor, temperature: float, lse_scale: float,
-                        mass: float = 1.0) -> Iterator[None]:
+def ape_teacher_forcing(model: Any, stale: torch.Tensor, setting: ApeSetting):
     """Inside, ``model``'s attention is APE's over the prompt positions ``stale`` (bool ``[prompt_length]``)."""
-    _STATE.update(stale=stale, temperature=float(temperature), lse_scale=float(lse_scale), mass=float(mass))
-    before = model.config._attn_implementation
-    model.config._attn_implementation = _NAME
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = before
+    return _swapped(model.config, "_attn_implementation", _NAME, stale=stale, setting=setting)

@@ -50,9 +50,9 @@ from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment
 from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, SelectionNeeds, SelectionStrategy,
                                              register_strategy, top_indices)
 
-from fidelity_ape import ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 
-APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # temperature, log-sum-exp scale, mass factor
+APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
 
 
@@ -113,23 +113,13 @@ def sensitivity_scores(plain: list[ChunkKV], conditioned: list[ChunkKV]) -> torc
 
 def parse_method(spec: str):
     """name@ratio[,key=value...]: e.g. 'kv_deviation@0.15', 'query_profiled+prefix@0.15', 'kv_deviation@0.15;check_layer=4'."""
-    parts = spec.split(";")
-    head, extras = parts[0], parts[1:]
+    head = spec.split(";")[0]
     prefix = "plain"
     name, _, ratio = head.partition("@")
     for variant in ("prefix", "lead", "sink"):
         if name.endswith("+" + variant):
             name, prefix = name[: -len(variant) - 1], variant
-    kw = {}
-    for e in extras:
-        k, _, v = e.partition("=")
-        try:
-            v = json.loads(v)
-        except Exception:
-            pass
-        kw[k] = v
-    for option in APE_OPTIONS:  # APE's attention (fidelity_ape.py), not a blend setting: see ape_of()
-        kw.pop(option, None)
+    kw = {k: v for k, v in _options(spec).items() if k not in APE_OPTIONS}  # APE's: see ape_of()
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -137,13 +127,25 @@ def parse_method(spec: str):
     return cfg, prefix
 
 
-def ape_of(spec: str) -> tuple[float, float, float] | None:
-    """APE's temperature and scale and our mass factor from a method's ``;ape_T=...;ape_S=...;ape_M=...``
-    (each defaults to 1), or None."""
-    extras = dict(e.partition("=")[::2] for e in spec.split(";")[1:])
-    if not set(APE_OPTIONS) & set(extras):
+def _options(spec: str) -> dict:
+    """A method's ``;key=value`` options, each value read as JSON where it is JSON."""
+    options = {}
+    for e in spec.split(";")[1:]:
+        k, _, v = e.partition("=")
+        try:
+            v = json.loads(v)
+        except Exception:
+            pass
+        options[k] = v
+    return options
+
+
+def ape_of(spec: str) -> ApeSetting | None:
+    """APE's attention from a method's ``;ape_T=...;ape_S=...;ape_M=...`` (each defaults to 1), or None."""
+    options = _options(spec)
+    if not set(APE_OPTIONS) & set(options):
         return None
-    return tuple(float(extras.get(name, 1.0)) for name in APE_OPTIONS)  # type: ignore[return-value]
+    return ApeSetting(*(float(options.get(name, 1.0)) for name in APE_OPTIONS))
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> None:
             cached = torch.arange(n_lead, n_lead + sum(len(c) for c in prompt.chunk_ids))
             ape = ape_of(m)
             t0 = time.time()
-            with ape_blend(cached, len(ids), *ape) if ape else contextlib.nullcontext():
+            with ape_blend(cached, len(ids), ape) if ape else contextlib.nullcontext():
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace) -> None:
                 s = stale_mask
                 kd.append(float((kb[:, s] - kr[:, s]).norm() / kr[:, s].norm()))
                 vd.append(float((vb[:, s] - vr[:, s]).norm() / vr[:, s].norm()))
-            with ape_teacher_forcing(engine.model, stale_mask, *ape) if ape else contextlib.nullcontext():
+            with ape_teacher_forcing(engine.model, stale_mask, ape) if ape else contextlib.nullcontext():
                 logits = teacher_forced_logits(engine, res.logits, res.cache, len(ids), ref_tokens)
             kl = token_kl(ref_logits, logits)
             rec = {"model": args.model, "setup": setup, "q": q, "method": m, "kl": float(kl.mean()),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 try:
-    from fidelity_ape import ape_attention
+    from fidelity_ape import ApeSetting, ape_attention
 finally:
     sys.path.remove(BENCHMARKS)
 
@@ -33,15 +33,15 @@ def test_at_temperature_and_scale_one_it_is_exact_causal_attention():
     n = k.shape[2]
     allowed = torch.arange(n)[None, :] <= positions[:, None]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3, enable_gqa=True)
-    got = ape_attention(q, k, v, positions, context, 0.3, 1.0, 1.0)
+    got = ape_attention(q, k, v, positions, context, 0.3, ApeSetting())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature, scale", [(0.8, 1.0), (1.0, 0.9), (1.2, 0.8)])
 def test_without_context_keys_nothing_changes(temperature, scale):
     q, k, v, positions, context = _inputs()
-    exact = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, 1.0, 1.0)
-    got = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, temperature, scale)
+    exact = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, ApeSetting())
+    got = ape_attention(q, k, v, positions, torch.zeros_like(context), 0.3, ApeSetting(temperature, scale))
     torch.testing.assert_close(got, exact)
 
 
@@ -50,6 +50,6 @@ def test_the_mass_factor_scales_the_contexts_share_by_that_factor():
     n = k.shape[2]
     # Values that tell the parts apart: 1 on the context keys, 0 elsewhere; the output is the context's share.
     v = context.float().view(1, 1, n, 1).expand(1, 2, n, 8).contiguous()
-    share = ape_attention(q, k, v, positions, context, 0.3, 1.0, 1.0)[..., 0]
-    halved = ape_attention(q, k, v, positions, context, 0.3, 1.0, 1.0, mass=0.5)[..., 0]
+    share = ape_attention(q, k, v, positions, context, 0.3, ApeSetting())[..., 0]
+    halved = ape_attention(q, k, v, positions, context, 0.3, ApeSetting(mass=0.5))[..., 0]
     torch.testing.assert_close(halved, 0.5 * share / (0.5 * share + (1 - share)))
