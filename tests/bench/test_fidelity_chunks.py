@@ -9,14 +9,28 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
-sys.path.insert(0, BENCHMARKS)
-try:
-    from fidelity_explore import ChunkFocus, ChunkFocusDeviation, ChunkLast
-finally:
-    sys.path.remove(BENCHMARKS)
+import pytest
 
+from cacheblend_rag.engine import selection
 from cacheblend_rag.engine.selection import SelectionContext
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+
+
+@pytest.fixture
+def research():
+    """The research module, imported for one test: importing it registers its strategies, which the
+    engine's own tests (parametrised over every registered strategy) must not see."""
+    registry = dict(selection._REGISTRY)
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import fidelity_explore
+        yield fidelity_explore
+    finally:
+        sys.path.remove(BENCHMARKS)
+        sys.modules.pop("fidelity_explore", None)
+        selection._REGISTRY.clear()
+        selection._REGISTRY.update(registry)
 
 
 def _context(budget: int) -> SelectionContext:
@@ -29,15 +43,15 @@ def _context(budget: int) -> SelectionContext:
                             chunk_spans=[(0, 4), (4, 8), (8, 12)], query_attention=lambda: attention)
 
 
-def test_whole_most_read_chunk_then_tokens_by_attention():
-    assert ChunkFocus().select(_context(5)).tolist() == [0, 4, 5, 6, 7]
+def test_whole_most_read_chunk_then_tokens_by_attention(research):
+    assert research.ChunkFocus().select(_context(5)).tolist() == [0, 4, 5, 6, 7]
 
 
-def test_whole_most_read_chunk_then_tokens_by_deviation():
-    assert ChunkFocusDeviation().select(_context(5)).tolist() == [0, 4, 5, 6, 7]
-    assert ChunkFocusDeviation().select(_context(9)).tolist() == [0, 4, 5, 6, 7, 8, 9, 10, 11]
+def test_whole_most_read_chunk_then_tokens_by_deviation(research):
+    assert research.ChunkFocusDeviation().select(_context(5)).tolist() == [0, 4, 5, 6, 7]
+    assert research.ChunkFocusDeviation().select(_context(9)).tolist() == [0, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_last_chunks_first():
-    assert ChunkLast().select(_context(4)).tolist() == [8, 9, 10, 11]
-    assert ChunkLast().select(_context(3)).tolist() == [0, 1, 2]  # no whole chunk fits: deviation, ties early
+def test_last_chunks_first(research):
+    assert research.ChunkLast().select(_context(4)).tolist() == [8, 9, 10, 11]
+    assert research.ChunkLast().select(_context(3)).tolist() == [0, 1, 2]  # no whole chunk fits: deviation, ties early
