@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, rows in results.items():
         for r in rows:
             keys = ("corrupt", "evictions", "reused", "hits", "load_failures", "entries", "writes_skipped",
-                    "files_left_by_failed_writes", "chunks_complete_at_kill", "healthy_p95_s", "cold_p95_s", "cold_spread_s", "stopped_p95_s", "bound_s", "hits_resumed_after_s",
+                    "files_left_by_failed_writes", "chunks_complete_at_kill", "healthy_p95_s", "cold_median_s", "stopped_median_s", "bound_s", "hits_resumed_after_s",
                     "seconds", "requests", "entries_after")
             note = r.get("error") or ", ".join(f"{k}={r[k]}" for k in keys if k in r)
             print(f"| {group}: {r['fault']} | {'yes' if r['survived'] else '**no**'} | {note} |")

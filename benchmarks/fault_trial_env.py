@@ -245,20 +245,19 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
             resumed = time.monotonic() - back
             hits = answer(c, blend_only=True)[2].cache_hits
         same = all(float((r[0] - trial.healthy).abs().max()) <= tolerance for r in results)
-        # Stopped, every chunk is computed fresh: the bound is a healthy request that computes them too
-        # (the server holds none of them), plus the one wait the outage may cost. Each stopped request is
-        # such a request plus its wait, and any of them may land at the top of the cold requests' own
-        # spread: against their p95 alone (of 8, their slowest) a stopped request slower than every cold
-        # one by chance (for timings alike, 1 chance in 9 each; it failed one full `make test` run of
-        # six) would read as a second wait. So the bound also allows that spread (p95 over median); two
-        # waits would still be past it unless the cold requests' spread alone exceeds a wait.
-        spread = p95(cold) - statistics.median(cold)
-        bound = p95(cold) + READ_TIMEOUT + spread
-        return dict(answer_same=same, healthy_p95_s=round(p95(healthy), 2), cold_p95_s=round(p95(cold), 2),
-                    cold_spread_s=round(spread, 2), stopped_p95_s=round(p95(stopped), 2),
-                    bound_s=round(bound, 2), stats_while_stopped="unavailable" if not available else "available",
+        # Stopped, every chunk is computed fresh: a stopped request is a cold one (a healthy server that
+        # holds none of the chunks) plus the one wait the outage may cost; a second wait is the failure
+        # to catch. Medians, decided at the midpoint between one wait and two: the cold and the stopped
+        # requests run one after the other, and a p95 (of 8, the slowest) picks up whatever the other
+        # test worker did at that moment (a p95 bound failed one full `make test` at 2.00 s against
+        # 1.88 s, a request 0.75 s over the cold ones: one wait and load, not two waits).
+        bound = statistics.median(cold) + 1.5 * READ_TIMEOUT
+        return dict(answer_same=same, healthy_p95_s=round(p95(healthy), 2), cold_median_s=round(statistics.median(cold), 2),
+                    cold_p95_s=round(p95(cold), 2), stopped_median_s=round(statistics.median(stopped), 2),
+                    stopped_p95_s=round(p95(stopped), 2), bound_s=round(bound, 2),
+                    stats_while_stopped="unavailable" if not available else "available",
                     hits_resumed_after_s=round(resumed, 2), hits_after=hits,
-                    survived=same and p95(stopped) <= bound and resumed <= PROBE_INTERVAL + READ_TIMEOUT
+                    survived=same and statistics.median(stopped) <= bound and resumed <= PROBE_INTERVAL + READ_TIMEOUT
                     and hits == 4 and not available)
 
     def answered_through(c: ChunkCache, method: str, replacement: Callable) -> dict[str, Any]:
