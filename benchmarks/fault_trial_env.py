@@ -251,13 +251,14 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
         # requests run one after the other, and a p95 (of 8, the slowest) picks up whatever the other
         # test worker did at that moment (a p95 bound failed one full `make test` at 2.00 s against
         # 1.88 s, a request 0.75 s over the cold ones: one wait and load, not two waits).
-        bound = statistics.median(cold) + 1.5 * READ_TIMEOUT
-        return dict(answer_same=same, healthy_p95_s=round(p95(healthy), 2), cold_median_s=round(statistics.median(cold), 2),
-                    cold_p95_s=round(p95(cold), 2), stopped_median_s=round(statistics.median(stopped), 2),
+        cold_median, stopped_median = statistics.median(cold), statistics.median(stopped)
+        bound = cold_median + 1.5 * READ_TIMEOUT
+        return dict(answer_same=same, healthy_p95_s=round(p95(healthy), 2), cold_median_s=round(cold_median, 2),
+                    cold_p95_s=round(p95(cold), 2), stopped_median_s=round(stopped_median, 2),
                     stopped_p95_s=round(p95(stopped), 2), bound_s=round(bound, 2),
                     stats_while_stopped="unavailable" if not available else "available",
                     hits_resumed_after_s=round(resumed, 2), hits_after=hits,
-                    survived=same and statistics.median(stopped) <= bound and resumed <= PROBE_INTERVAL + READ_TIMEOUT
+                    survived=same and stopped_median <= bound and resumed <= PROBE_INTERVAL + READ_TIMEOUT
                     and hits == 4 and not available)
 
     def answered_through(c: ChunkCache, method: str, replacement: Callable) -> dict[str, Any]:
