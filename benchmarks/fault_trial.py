@@ -4,7 +4,7 @@ then answer from it, and check that nothing broke (prints JSON, then a Markdown 
     .venv/bin/python benchmarks/fault_trial.py [--data ../shared/data/musique_dev.json] [--out trial.json]
         [--chunk-tokens 120] [--load-tokens N] [--answer-tokens N]
 
-The test suite runs every case too, on shorter passages and answers (``--chunk-tokens 32 --load-tokens 48
+The test suite runs every case too, on shorter passages and answers (``--chunk-tokens 16 --load-tokens 48
 --answer-tokens 3``): no fault is left out, only the work of each request is smaller.
 
 For each fault a copy of one healthy store is damaged, reopened (as a restarting replica would)

@@ -3,7 +3,7 @@ the one it is there to show (a forged entry in a store without a key) is survive
 planted outside the store is never touched.
 
 The trial runs whole, every group and every case, on shorter passages than the published run
-(32-token chunks instead of 120, load passages of 48 tokens instead of whole ones) and shorter answers
+(16-token chunks instead of 120, load passages of 48 tokens instead of whole ones) and shorter answers
 (3 tokens instead of 8: the first from the blend's logits, which are compared in full, and two decoded
 from the blended KV): what a case checks does not depend on a chunk's or an answer's length, and each
 request costs a fraction as much."""
@@ -37,7 +37,7 @@ def _store_faults() -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_every_fault_but_forgery_without_a_key_is_survived(tmp_path):
     out = tmp_path / "trial.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--chunk-tokens", "32",
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--chunk-tokens", "16",
                            "--load-tokens", "48", "--answer-tokens", "3"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -45,7 +45,7 @@ def test_every_fault_but_forgery_without_a_key_is_survived(tmp_path):
     assert set(report["results"]) == GROUPS
     for group, names in _store_faults().items():
         assert [row["fault"] for row in report["results"][group]] == names
-    assert report["total"]["tried"] == 43 and report["chunk_tokens"] == [32] * 4 and report["answer_tokens"] == 3
+    assert report["total"]["tried"] == 43 and report["chunk_tokens"] == [16] * 4 and report["answer_tokens"] == 3
     lost = [row["fault"] for rows in report["results"].values() for row in rows if not row["survived"]]
     assert lost == ["forged layer, store without a key"]
     assert report["outside_file_intact"]
