@@ -94,6 +94,13 @@ def test_the_root_readmes_whole_snippets_are_ones_the_slow_test_runs():
     firsts = {readme_blocks(readme)[1] for readme in READMES}
     assert len(whole) >= 2 and all(s in firsts for s in whole), "a whole snippet differs from every README's first"
 
+def test_the_root_readme_stays_a_short_front_page():
+    """The front page is read in five minutes: what it is, the two commands, "Use it", a results table and
+    links. Measurement narratives belong in docs/ (issue 30 set the bound)."""
+    lines = ROOT_README.read_text(encoding="utf-8").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move the detail to a page under docs/ and link to it"
+
+
 def _installed_closure(lines: list[list[str]]) -> set[str]:
     """The distributions the pip lines install: those named, and (unless ``--no-deps``) what they require,
     as this virtualenv's metadata says (extras left out)."""
