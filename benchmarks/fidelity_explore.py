@@ -52,10 +52,8 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
                                              register_strategy, top_indices)
 
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
-from fidelity_kshift import kshift_blend  # noqa: E402
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
-KSHIFT_OPTION = "kshift"  # the K drift correction's alpha (fidelity_kshift.py)
 ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
 
 
@@ -189,7 +187,7 @@ def parse_method(spec: str):
     for variant in ("prefix", "lead", "sink"):
         if name.endswith("+" + variant):
             name, prefix = name[: -len(variant) - 1], variant
-    kw = {k: v for k, v in _options(spec).items() if k not in (*APE_OPTIONS, KSHIFT_OPTION)}  # see ape_of(), kshift_of()
+    kw = {k: v for k, v in _options(spec).items() if k not in APE_OPTIONS}  # APE's: see ape_of()
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -216,12 +214,6 @@ def ape_of(spec: str) -> ApeSetting | None:
     if not set(APE_OPTIONS) & set(options):
         return None
     return ApeSetting(*(float(options.get(name, 1.0)) for name in APE_OPTIONS))
-
-
-def kshift_of(spec: str) -> float | None:
-    """The K drift correction's alpha from a method's ``;kshift=...``, or None."""
-    alpha = _options(spec).get(KSHIFT_OPTION)
-    return None if alpha is None else float(alpha)
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
@@ -294,9 +286,7 @@ def run(args: argparse.Namespace) -> None:
             cached = torch.arange(n_lead, n_lead + sum(len(c) for c in prompt.chunk_ids))
             ape = ape_of(m)
             t0 = time.time()
-            kshift = kshift_of(m)
-            with ape_blend(cached, len(ids), ape) if ape else contextlib.nullcontext(), \
-                    kshift_blend(kshift) if kshift is not None else contextlib.nullcontext():
+            with ape_blend(cached, len(ids), ape) if ape else contextlib.nullcontext():
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

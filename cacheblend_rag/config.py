@@ -101,6 +101,14 @@ class BlendConfig:
         ``None``: the whole segment. On RAG prompts that segment opens with a fixed instruction
         that tells the pass little; what 16 saves and costs is measured in docs/quality.md
         ("Cutting the profile's cost").
+    stale_key_correction:
+        After the chosen tokens are recomputed in a layer, every key of their chunk moves by this
+        share of the mean change (taken before RoPE) that the chunk's recomputed keys saw; the
+        recomputed tokens keep their own fresh keys. A chunk's stale keys share much of their error
+        against full prefill on larger models (45-65% of it in the middle layers of
+        Qwen2.5-Coder-1.5B), and its recomputed tokens show that shared part. ``0`` (default): stale
+        keys as stored; ``1``: the whole mean change. Measured in docs/quality.md ("Stale key
+        correction"); values are left as stored (their shared part is small).
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:
@@ -128,6 +136,7 @@ class BlendConfig:
     gradual_expand: float = 2.0
     profile_layers: int | None = None
     profile_tokens: int | None = 16
+    stale_key_correction: float = 0.0
     gate: bool = True
     gate_tolerance: float | None = None
     fallback_to_full_prefill: bool = False
@@ -151,6 +160,7 @@ class BlendConfig:
             _check_range("profile_layers", self.profile_layers, 1, 10_000, integer=True)
         if self.profile_tokens is not None:
             _check_range("profile_tokens", self.profile_tokens, 1, 1_000_000, integer=True)
+        _check_range("stale_key_correction", self.stale_key_correction, 0.0, 2.0)
         if self.gate_tolerance is not None:
             _check_range("gate_tolerance", self.gate_tolerance, 0.0, 1e6)
         if self.min_blend_tokens is not None:

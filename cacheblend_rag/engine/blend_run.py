@@ -97,6 +97,11 @@ class BlendRun:
         # A budget covering every cached token leaves nothing to choose: no strategy, no profile.
         self.recompute_all = 0 < layout.n_cached <= self.budget
         self.timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
+        self.key_correction = cfg.stale_key_correction
+        # Each blendable cached token's chunk (an index into ``layout.chunk_spans``), for the key correction.
+        self.chunk_of = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
+        for index, (start, end) in enumerate(layout.chunk_spans):
+            self.chunk_of[start:end] = index
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
         self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype)
         self.attention = PartialAttention(cfg.mask)
@@ -239,7 +244,10 @@ class BlendRun:
             # Compare the still-selected tokens' fresh K/V with their cached K/V, taken before the write.
             sel_pos = self.layout.cached_pos[self.selected]
             cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
-        key_layer.index_copy_(2, self.active, self.a.apply_rope(k, self.cos[:, self.active], self.sin[:, self.active]))
+        fresh_keys = self.a.apply_rope(k, self.cos[:, self.active], self.sin[:, self.active])
+        if self.key_correction:
+            self._correct_stale_keys(key_layer, fresh_keys)
+        key_layer.index_copy_(2, self.active, fresh_keys)
         value_layer.index_copy_(2, self.active, v)
         if narrowing:
             ctx = self._context(layer, key_layer[0, :, sel_pos], value_layer[0, :, sel_pos], cached)
@@ -248,6 +256,27 @@ class BlendRun:
                 self.selected = narrowed
                 self._restrict(self._active_for(narrowed))
         return key_layer, value_layer
+
+    def _correct_stale_keys(self, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
+        """Move every key of a chunk by ``stale_key_correction`` times the mean change its recomputed tokens'
+        keys saw in this layer (``fresh_keys``, the active tokens', against the merged ``key_layer``). The
+        change is averaged before RoPE, since a rotated key's change turns with its position, and rotated to
+        each token's own; the recomputed tokens' fresh keys are written over theirs afterwards."""
+        selected, layout = self.selected, self.layout
+        if selected is None or not selected.numel() or not layout.chunk_spans:
+            return
+        sel_pos = layout.cached_pos[selected]
+        change = fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)] - key_layer[:, :, sel_pos]
+        change = self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
+        chunks = self.chunk_of[selected]
+        totals = change.new_zeros(change.shape[0], change.shape[1], len(layout.chunk_spans), change.shape[3])
+        totals.index_add_(2, chunks, change)
+        counts = torch.bincount(chunks, minlength=len(layout.chunk_spans)).clamp(min=1)
+        means = totals / counts.view(1, 1, -1, 1)  # a chunk with no recomputed token: no change
+        cached_pos = layout.cached_pos
+        shift = self.a.apply_rope(means[:, :, self.chunk_of], self.cos[:, cached_pos].float(),
+                                  self.sin[:, cached_pos].float())
+        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
 
     def _context(
         self, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached: CachedKV | None = None

@@ -190,6 +190,11 @@ class CacheBlendSettings(BaseModel):
         default=_DEFAULTS.profile_tokens,
         description="The question's last tokens query_profiled's profiling pass runs; None: the whole question.",
     )
+    stale_key_correction: float = Field(
+        default=_DEFAULTS.stale_key_correction,
+        description="Share of each chunk's mean key change, seen by its recomputed tokens, added to its stale keys "
+        "(0: keys as stored).",
+    )
     min_blend_tokens: Optional[int] = Field(
         default=_DEFAULTS.min_blend_tokens,
         description="Prompts with fewer cached tokens are answered by full prefill (as fast there, and exact); None: "

@@ -1,11 +1,8 @@
-"""The K drift correction of the research loop (benchmarks/fidelity_kshift.py): at alpha 0 it is the blend
-as it was, bit for bit; otherwise a stale chunk token keeps its cached value and its key moves by the same
-pre-RoPE vector as every other stale token of its chunk."""
+"""``BlendConfig.stale_key_correction``: at 0 the blend is what it was, bit for bit; otherwise a stale chunk
+token keeps its cached value and its key moves by the same pre-RoPE vector as every other stale token of
+its chunk, with both selectors (the deviation check layer and the profile chosen before layer 0)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +10,6 @@ import torch
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
 from cacheblend_rag.testing import tiny_engine
-
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
-sys.path.insert(0, BENCHMARKS)
-try:
-    from fidelity_kshift import kshift_blend
-finally:
-    sys.path.remove(BENCHMARKS)
 
 TEXTS = ["Marie Curie was a physicist and chemist who won two Nobel prizes.",
          "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
@@ -40,19 +30,18 @@ def test_alpha_zero_is_the_blend_as_it_was(blend_inputs, selection):
     engine, segments = blend_inputs
     config = BlendConfig(recompute_ratio=0.3, selection=selection, gate=False)
     plain = engine.blend(segments, config=config)
-    with kshift_blend(0.0):
-        shifted = engine.blend(segments, config=config)
+    shifted = engine.blend(segments, config=config.with_overrides(stale_key_correction=0.0))
     assert torch.equal(plain.logits, shifted.logits)
     for layer in range(engine.num_layers):
         assert torch.equal(plain.cache.layers[layer].keys, shifted.cache.layers[layer].keys)
 
 
-def test_only_stale_keys_move_and_by_one_pre_rope_vector_per_chunk(blend_inputs):
+@pytest.mark.parametrize("selection", ["kv_deviation", "query_profiled"])
+def test_only_stale_keys_move_and_by_one_pre_rope_vector_per_chunk(blend_inputs, selection):
     engine, segments = blend_inputs
-    config = BlendConfig(recompute_ratio=0.3, selection="kv_deviation", gate=False)
+    config = BlendConfig(recompute_ratio=0.3, selection=selection, gate=False)
     plain = engine.blend(segments, config=config)
-    with kshift_blend(1.0):
-        shifted = engine.blend(segments, config=config)
+    shifted = engine.blend(segments, config=config.with_overrides(stale_key_correction=1.0))
     assert plain.stats.selected_positions == shifted.stats.selected_positions
     n = len(plain.input_ids)
     lead = len(segments[0].token_ids)
@@ -79,3 +68,11 @@ def test_only_stale_keys_move_and_by_one_pre_rope_vector_per_chunk(blend_inputs)
                                            rtol=1e-4, atol=1e-5)
                 moved_any |= bool(change[:, :, rows].abs().max() > 1e-6)
     assert moved_any
+
+
+@pytest.mark.parametrize("value", [-0.1, 2.5, float("nan")])
+def test_an_out_of_range_value_is_refused_by_name(value):
+    from cacheblend_rag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stale_key_correction"):
+        BlendConfig(stale_key_correction=value)
