@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config
+from cacheblend_rag.engine.calibrated import (CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config,
+                                              key_correction_suffix)
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.codec import STORAGE_DTYPES
@@ -43,6 +44,9 @@ MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend", "d
 PrefixMode = Literal["off", "on", "both"]
 
 PREFIX_SUFFIX = "+prefix"
+# A blend with BlendConfig.stale_key_correction at 1 (the chunks' stale keys moved by their recomputed tokens'
+# mean change); ``+keyshift0.5`` for another share.
+KEYSHIFT_SUFFIX = "+keyshift"
 # CacheBlend as published; shown under its own name rather than its selection's.
 CACHEBLEND = "cacheblend"
 CACHEBLEND_SELECTION = "kv_deviation"
@@ -70,8 +74,7 @@ class MethodSpec:
     def setting(self) -> str:
         """What it runs, named as ``--methods`` would (``default`` resolved: its setting's own name)."""
         if self.kind == "blend":
-            return describe_config(BlendConfig(recompute_ratio=self.ratio, selection=self.selection),
-                                   self.prefix_conditioned)
+            return describe_config(self.blend_config(BlendConfig()), self.prefix_conditioned)
         return self.kind + (PREFIX_SUFFIX if self.prefix_conditioned else "")
 
     @property
@@ -83,7 +86,8 @@ class MethodSpec:
             base = CACHEBLEND if self.selection == CACHEBLEND_SELECTION else str(self.selection)
         else:
             base = self.kind
-        return base + (PREFIX_SUFFIX if self.prefix_conditioned else "")
+        correction = key_correction_suffix(dict(self.overrides).get("stale_key_correction", 0.0))
+        return base + (PREFIX_SUFFIX if self.prefix_conditioned else "") + correction
 
     @property
     def name(self) -> str:
@@ -169,14 +173,19 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
         if "@" in name:
             name, _, ratio_text = name.partition("@")
             pinned = parse_ratios(ratio_text)
+        name, correction = _key_correction(name, item)
         prefixed = name.endswith(PREFIX_SUFFIX)
         if prefixed:
             name = name[: -len(PREFIX_SUFFIX)]
         if name not in allowed:
             raise ConfigError(
                 f"--methods: unknown method {item!r}; choose from {', '.join(allowed)} or 'all', "
-                f"optionally with '{PREFIX_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
+                f"optionally with '{PREFIX_SUFFIX}', '{KEYSHIFT_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
             )
+        if correction and name in (*_BASELINES, DEFAULT):
+            raise ConfigError(f"--methods: {item!r}: {name} recomputes no chunk token, so it takes no "
+                              f"'{KEYSHIFT_SUFFIX}' (a blend's keys move by what its recomputed tokens saw)")
+        overrides = (("stale_key_correction", correction),) if correction else ()
         if name == DEFAULT:
             if prefixed or pinned or storage:
                 raise ConfigError(f"--methods: {item!r}: default is the engine's own setting for the model, whole; "
@@ -200,13 +209,28 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
                 continue
             selection = CACHEBLEND_SELECTION if name == CACHEBLEND else name
             for ratio in pinned or ratios:
-                specs.append(MethodSpec("blend", selection, ratio, with_prefix, storage or None))
+                specs.append(MethodSpec("blend", selection, ratio, with_prefix, storage or None, overrides=overrides))
 
     unique: list[MethodSpec] = []
     for spec in specs:
         if spec not in unique:
             unique.append(spec)
     return unique
+
+
+def _key_correction(name: str, item: str) -> tuple[str, float]:
+    """``name`` without its ``+keyshift[VALUE]`` (anywhere after the strategy), and the correction it asks for."""
+    head, found, rest = name.partition(KEYSHIFT_SUFFIX)
+    if not found:
+        return name, 0.0
+    digits = rest.split("+", 1)[0]
+    try:
+        value = float(digits) if digits else 1.0
+        BlendConfig(stale_key_correction=value)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"--methods: {item!r}: '{KEYSHIFT_SUFFIX}{digits}' wants a share in [0, 2] after it, or "
+                          f"none for 1 (e.g. cacheblend{KEYSHIFT_SUFFIX}@0.15)") from None
+    return head + rest[len(digits):], value
 
 
 def resolve_default(spec: MethodSpec, engine: Any) -> MethodSpec:

@@ -54,12 +54,18 @@ def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None 
     return calibration_dir(directory) / f"{fingerprint}.json"
 
 
+def key_correction_suffix(value: float) -> str:
+    """How a method's name says ``stale_key_correction``: ``+keyshift`` at 1, ``+keyshift0.5`` at 0.5, nothing at 0."""
+    return "" if not value else "+keyshift" if value == 1.0 else f"+keyshift{value:g}"
+
+
 def describe_config(config: BlendConfig, conditioned: bool = False) -> str:
-    """A setting's short name, as ``--methods`` writes it: ``query_profiled+prefix@0.15``, ``full_reuse``."""
+    """A setting's short name, as ``--methods`` writes it: ``query_profiled+prefix@0.15``,
+    ``kv_deviation+keyshift@0.15``, ``full_reuse``."""
     prefix = "+prefix" if conditioned else ""
     if config.recompute_ratio == 0:
         return f"full_reuse{prefix}"
-    return f"{config.selection}{prefix}@{config.recompute_ratio:g}"
+    return f"{config.selection}{prefix}{key_correction_suffix(config.stale_key_correction)}@{config.recompute_ratio:g}"
 
 
 @dataclass(frozen=True)

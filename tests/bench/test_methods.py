@@ -93,3 +93,24 @@ def test_a_method_may_name_its_storage_codec():
         parse_methods("full_reuse:int3", [0.15])
     with pytest.raises(ConfigError, match="takes neither"):
         parse_methods("full_prefill:int8", [0.15])
+
+
+def test_keyshift_sets_the_stale_key_correction_and_names_it_back():
+    specs = parse_methods("cacheblend+keyshift@0.15,query_profiled+prefix+keyshift0.5@0.2,cacheblend@0.15", [0.3])
+    assert [s.name for s in specs] == ["cacheblend+keyshift@0.15", "query_profiled+prefix+keyshift0.5@0.2",
+                                       "cacheblend@0.15"]
+    assert [s.blend_config(BlendConfig()).stale_key_correction for s in specs] == [1.0, 0.5, 0.0]
+    assert specs[1].prefix_conditioned and specs[1].setting == "query_profiled+prefix+keyshift0.5@0.2"
+    # The name a blend's stats give its setting parses back to the same setting.
+    assert parse_methods(specs[0].setting, [0.3])[0].blend_config(BlendConfig()) == specs[0].blend_config(BlendConfig())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("full_reuse+keyshift", "recomputes no chunk token"),
+    ("default+keyshift", "recomputes no chunk token"),
+    ("cacheblend+keyshift9@0.15", r"share in \[0, 2\]"),
+    ("cacheblend+keyshiftx@0.15", r"share in \[0, 2\]"),
+])
+def test_a_bad_keyshift_says_what_is_wrong(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_methods(text, [0.15])
