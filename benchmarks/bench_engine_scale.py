@@ -15,6 +15,7 @@ bound can be explained. The bound (:mod:`cacheblend_rag.bench.bound`) is worked 
 loaded model's config: CacheBlend as published at ``--ratio``, and each method's own.
 
 ``--methods`` picks among ``full_prefill``, ``full_reuse``, ``cacheblend`` (``cacheblend@RATIO``),
+``cacheblend+keyshift`` (the same with ``stale_key_correction=1``),
 ``query_profiled`` (the built-in default's selection at ``--ratio``, reported as ``default@RATIO``)
 and ``default``: whatever the engine uses for the loaded model when given no setting, the setting
 ``cacheblend-rag calibrate`` saved for it or the built-in one, reported with its name and source
@@ -47,7 +48,7 @@ from cacheblend_rag.engine.calibrated import describe_config
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 
 DEFAULT_TARGET = 3.5  # issue 23: the default at 0.15, ~3,000 tokens, 1.5B model, from the disk store
-METHODS = ("full_prefill", "full_reuse", "cacheblend", "query_profiled", "default")
+METHODS = ("full_prefill", "full_reuse", "cacheblend", "cacheblend+keyshift", "query_profiled", "default")
 DEFAULT_METHODS = "full_prefill,full_reuse,cacheblend,query_profiled"
 
 
@@ -60,6 +61,9 @@ def method_configs(ratio: float, methods: str = DEFAULT_METHODS,
         "full_reuse": ("full_reuse", BlendConfig(recompute_ratio=0.0, min_blend_tokens=0)),
         "cacheblend": (f"cacheblend@{ratio:g}",
                        BlendConfig(recompute_ratio=ratio, selection="kv_deviation", min_blend_tokens=0)),
+        "cacheblend+keyshift": (f"cacheblend+keyshift@{ratio:g}",
+                                BlendConfig(recompute_ratio=ratio, selection="kv_deviation", stale_key_correction=1.0,
+                                            min_blend_tokens=0)),
         "query_profiled": (f"default@{ratio:g}", BlendConfig(recompute_ratio=ratio, min_blend_tokens=0)),
     }
     if engine is not None:
