@@ -65,12 +65,15 @@ CostKind = Literal["work", "ttft"]
 STATE_FORMAT = "cacheblend-rag-calibration-state"
 
 # The grid measured when the user names none; the lead edits it as research moves on. Each item
-# is a ``--methods`` item (NAME[+prefix]@RATIO). ``query_profiled+prefix`` is the integrations'
+# is a ``--methods`` item (NAME[+prefix][+keyshift]@RATIO). ``query_profiled+prefix`` is the integrations'
 # built-in default (chunks computed behind the prompt's lead); ``kv_deviation`` is CacheBlend as
-# published, chunks computed alone.
+# published, chunks computed alone; ``+keyshift0.5`` moves each chunk's stale keys by half the mean change
+# its recomputed keys saw (on Qwen2.5-Coder-1.5B it lifted CacheBlend's recovery most; docs/quality.md,
+# "Stale key correction").
 DEFAULT_CANDIDATES: list[str] = [
     *(f"query_profiled+prefix@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)),
     *(f"kv_deviation@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)),
+    *(f"kv_deviation+keyshift0.5@{r:g}" for r in (0.1, 0.15, 0.2, 0.3)),
 ]
 # Ratios of a --candidates item that pins none (e.g. "kv_deviation").
 CANDIDATE_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
