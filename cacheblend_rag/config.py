@@ -105,7 +105,7 @@ class BlendConfig:
         After the chosen tokens are recomputed in a layer, every key of their chunk moves by this
         share of the mean change (taken before RoPE) that the chunk's recomputed keys saw; the
         recomputed tokens keep their own fresh keys. A chunk's stale keys share much of their error
-        against full prefill (44-66% of it in layers 3-27 of Qwen2.5-Coder-1.5B, 26-43% on SmolLM2),
+        against full prefill (44-66% of it in layers 3-27 of Qwen2.5-Coder-1.5B, 21-44% on SmolLM2),
         and its recomputed tokens show part of it (their selection overstates it: 0.5 did better
         than 1 at 1.5B). ``0`` (default): stale
         keys as stored; ``1``: the whole mean change. Measured in docs/quality.md ("Stale key
