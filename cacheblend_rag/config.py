@@ -107,9 +107,9 @@ class BlendConfig:
         recomputed tokens keep their own fresh keys. A chunk's stale keys share much of their error
         against full prefill (44-66% of it in layers 3-27 of Qwen2.5-Coder-1.5B, 21-44% on SmolLM2),
         and its recomputed tokens show part of it (their selection overstates it: 0.5 did better
-        than 1 at 1.5B). ``0`` (default): stale
-        keys as stored; ``1``: the whole mean change. Measured in docs/quality.md ("Stale key
-        correction"); values are left as stored (their shared part is small).
+        than 1 at 1.5B). ``0`` (default): stale keys as stored; ``1``: the whole mean change.
+        Measured in docs/quality.md ("Stale key correction"); values are left as stored (their
+        shared part is small).
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:

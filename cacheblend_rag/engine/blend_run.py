@@ -98,10 +98,10 @@ class BlendRun:
         self.recompute_all = 0 < layout.n_cached <= self.budget
         self.timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
         self.key_correction = cfg.stale_key_correction
-        # Each blendable cached token's chunk (an index into ``layout.chunk_spans``), for the key correction.
-        self.chunk_of = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
-        for index, (start, end) in enumerate(layout.chunk_spans):
-            self.chunk_of[start:end] = index
+        if self.key_correction:  # each blendable cached token's chunk, an index into ``layout.chunk_spans``
+            self.chunk_of = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
+            for index, (start, end) in enumerate(layout.chunk_spans):
+                self.chunk_of[start:end] = index
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
         self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype)
         self.attention = PartialAttention(cfg.mask)
