@@ -54,6 +54,11 @@ def _xdist_worker() -> bool:
 
 
 def pytest_configure(config) -> None:
+    # pytest-xdist's --loadscope-reorder (on by default) queues files by their number of tests, most first,
+    # which put the one-test files (the fault trial, the notebooks, the quality model) last, and a notebook
+    # then ran alone at the end of the run; the collection order (LONGEST_FIRST) is the order wanted.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if _xdist_worker():
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[name] = "1"  # inherited by the processes tests start
