@@ -36,10 +36,16 @@ def _squares(error: torch.Tensor, chosen: torch.Tensor) -> dict[str, float]:
             "rest_left": float(((rest - error[:, chosen].mean(1, keepdim=True)) ** 2).sum())}
 
 
-def drift(engine: CacheBlendEngine, prompt, conditioned: bool, ratio: float = 0.15) -> list[dict[str, float]]:
-    a = engine.adapter
+def full_prefill_cache(engine: CacheBlendEngine, prompt) -> DynamicCache:
     cache = DynamicCache(config=engine.model.config)
     engine.model(input_ids=torch.tensor([prompt.input_ids]), cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def drift(engine: CacheBlendEngine, prompt, cache: DynamicCache, conditioned: bool,
+          ratio: float = 0.15) -> list[dict[str, float]]:
+    """Per layer, against full prefill's ``cache`` of ``prompt``."""
+    a = engine.adapter
     chunks = engine.prefill_chunks(prompt.chunk_ids, prefix_ids=prompt.conditioning_prefix(conditioned))
     sums = [{f"{kind}_{part}": 1e-30 for kind in "kv" for part in ("all", "left", "rest", "rest_left", "norm")}
             for _ in range(a.num_layers)]
@@ -82,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for q in (int(x) for x in args.questions.split(",")):
         prompt = build_prompt(engine.tokenizer, examples[q], passages=10, max_passage_tokens=100)
+        cache = full_prefill_cache(engine, prompt)  # one full prefill serves both chunk versions
         for conditioned in (False, True):
             rows += [{"q": q, "conditioned": conditioned, "layer": layer, **r}
-                     for layer, r in enumerate(drift(engine, prompt, conditioned))]
+                     for layer, r in enumerate(drift(engine, prompt, cache, conditioned))]
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     columns = [f"{kind}_{part}" for kind in "kv" for part in ("rel", "shared", "from_chosen")]
