@@ -52,8 +52,11 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
                                              register_strategy, top_indices)
 
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_neighbors import NeighbourIndex  # noqa: E402
+from fidelity_oracle import ORACLE_OPTIONS, OracleSetting, oracle_blend  # noqa: E402
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
+NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
 ANSWERABLE_100 = [5, 8, 11, 13, 14, 17, 20, 29, 30, 31, 38, 48, 49]
 
 
@@ -184,10 +187,10 @@ def parse_method(spec: str):
     head = spec.split(";")[0]
     prefix = "plain"
     name, _, ratio = head.partition("@")
-    for variant in ("prefix", "lead", "sink"):
+    for variant in ("prefix", "lead", "sink", *NEIGHBOUR_VARIANTS):
         if name.endswith("+" + variant):
             name, prefix = name[: -len(variant) - 1], variant
-    kw = {k: v for k, v in _options(spec).items() if k not in APE_OPTIONS}  # APE's: see ape_of()
+    kw = {k: v for k, v in _options(spec).items() if k not in APE_OPTIONS + ORACLE_OPTIONS}  # see ape_of(), oracle_of()
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -214,6 +217,12 @@ def ape_of(spec: str) -> ApeSetting | None:
     if not set(APE_OPTIONS) & set(options):
         return None
     return ApeSetting(*(float(options.get(name, 1.0)) for name in APE_OPTIONS))
+
+
+def oracle_of(spec: str) -> OracleSetting | None:
+    """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B]``, or None."""
+    options = _options(spec)
+    return OracleSetting.parse(options["oracle"], options.get("oracle_layers")) if "oracle" in options else None
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
@@ -247,6 +256,7 @@ def run(args: argparse.Namespace) -> None:
             done.add((r["model"], r["setup"], r["q"], r["method"]))
     setup = f"p{args.passages}_t{args.max_passage_tokens}_teach{args.teacher}"
     methods = [m for m in args.methods.split(",") if m]
+    neighbours: NeighbourIndex | None = None
     for q in [int(x) for x in args.questions.split(",")]:
         todo = [m for m in methods if (args.model, setup, q, m) not in done]
         if not todo:
@@ -276,6 +286,14 @@ def run(args: argparse.Namespace) -> None:
                 t0 = time.time()
                 chunks[cond] = stored_chunks(engine, store, prompt.chunk_ids, prefix)
                 print(f"q{q}: chunks cond={cond} {time.time()-t0:.1f}s", flush=True)
+        for cond in NEIGHBOUR_VARIANTS:
+            if any(parse_method(m)[1] == cond for m in todo):
+                if neighbours is None:
+                    neighbours = NeighbourIndex(engine.tokenizer, examples, args.max_passage_tokens)
+                t0 = time.time()
+                chunks[cond] = [stored_chunks(engine, store, [c], p)[0] for c, p in
+                                zip(prompt.chunk_ids, neighbours.prefixes(prompt, int(cond[2:])))]
+                print(f"q{q}: chunks cond={cond} {time.time()-t0:.1f}s", flush=True)
         lead = stored_chunks(engine, store, [prompt.lead_ids], ())[0]
         if any(parse_method(m)[0].selection in ("sensitivity", "sensitive_read") for m in todo):
             SENSITIVITY["scores"] = sensitivity_scores(chunks["plain"], chunks["prefix"])
@@ -284,9 +302,13 @@ def run(args: argparse.Namespace) -> None:
             segs = [CachedSegment(lead), *(CachedSegment(c) for c in chunks[cond]), FreshSegment(prompt.tail_ids)]
             n_lead = len(prompt.lead_ids)
             cached = torch.arange(n_lead, n_lead + sum(len(c) for c in prompt.chunk_ids))
-            ape = ape_of(m)
+            ape, oracle = ape_of(m), oracle_of(m)
             t0 = time.time()
-            with ape_blend(cached, len(ids), ape) if ape else contextlib.nullcontext():
+            with contextlib.ExitStack() as patches:
+                if ape:
+                    patches.enter_context(ape_blend(cached, len(ids), ape))
+                if oracle:
+                    patches.enter_context(oracle_blend(ref_kv, oracle))
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

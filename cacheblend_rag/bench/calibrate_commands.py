@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--target-recovery", type=float, default=0.8,
                         help="least share of full reuse's KL to full prefill a setting must recover")
     target.add_argument("--allow-worse", type=int, default=0, help="prompts allowed to be worse than full reuse")
+    target.add_argument("--max-cost", type=float, default=None,
+                        help="the most a setting may cost, full prefill = 1 (0.29 keeps a 3.5x speedup); a setting "
+                             "above it is never chosen, not even when the target is out of reach (default: no ceiling)")
     target.add_argument("--cost", choices=("work", "ttft"), default="work",
                         help="what 'cheapest' means: layer-units computed (deterministic) or measured TTFT")
     target.add_argument("--candidates", default=None,
@@ -180,7 +183,7 @@ def run_calibration(args: argparse.Namespace, engine: CacheBlendEngine | None = 
     """The command's work; ``engine``: a ready one (tests), else ``--model`` is loaded."""
     for name in ("n", "passages", "max_passage_tokens", "teacher_tokens"):
         _positive(name, getattr(args, name))
-    target = CalibrationTarget(args.target_recovery, args.allow_worse)
+    target = CalibrationTarget(args.target_recovery, args.allow_worse, args.max_cost)
     candidates = parse_candidates(args.candidates)
     examples = load_examples(args)
     if engine is None:

@@ -124,10 +124,13 @@ def parse_candidates(items: str | Sequence[str] | None = None, base: BlendConfig
 @dataclass(frozen=True)
 class CalibrationTarget:
     """recovery: the least recovery of full reuse's KL a setting must reach (0.8: 80%);
-    allow_worse: how many prompts may be worse than full reuse."""
+    allow_worse: how many prompts may be worse than full reuse; max_cost: the most a setting may cost
+    (full prefill = 1, so 1 / 3.5 keeps a 3.5x TTFT floor), or None for no ceiling. A setting above
+    the ceiling is never chosen, not even as the best measured one when the target is out of reach."""
 
     recovery: float = 0.8
     allow_worse: int = 0
+    max_cost: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.recovery, bool) or not isinstance(self.recovery, (int, float)) or \
@@ -137,6 +140,10 @@ class CalibrationTarget:
         if isinstance(self.allow_worse, bool) or not isinstance(self.allow_worse, int) or self.allow_worse < 0:
             raise ConfigError(f"allow_worse={self.allow_worse!r} must be an integer >= 0 (prompts allowed to be "
                               "worse than full reuse)")
+        if self.max_cost is not None and (isinstance(self.max_cost, bool) or not isinstance(self.max_cost, (int, float))
+                                          or not math.isfinite(self.max_cost) or self.max_cost <= 0):
+            raise ConfigError(f"max_cost={self.max_cost!r} must be a number > 0, the most a setting may cost with full "
+                              "prefill = 1 (0.29 keeps a 3.5x speedup), or None for no ceiling")
 
 
 # --------------------------------------------------------------------------- results
@@ -472,6 +479,9 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
             worse = int(sum(kl > ref for kl, ref in zip(kls, reference_kls)))
         return CandidateOutcome(name, config, conditioned, mean_kl, rec, worse, float(np.mean(costs)), False, kls)
 
+    def affordable(row: CandidateOutcome) -> bool:
+        return target.max_cost is None or row.cost <= target.max_cost
+
     full_reuse = outcome("full_reuse", "full_reuse", {"recompute_ratio": 0.0}, False, None)
     full_reuse.reference = True
     exact_reuse = full_reuse.kl <= 0.0
@@ -480,18 +490,26 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
         row = outcome(c.key, c.name, c.fields(), c.condition_chunks, full_reuse.per_prompt_kl)
         # Where full reuse is already exact, recovery is undefined: only "never worse" (exact too) counts.
         good = (row.recovery is not None and row.recovery >= target.recovery) or exact_reuse
-        row.meets_target = good and row.worse_than_full_reuse <= target.allow_worse
+        row.meets_target = good and row.worse_than_full_reuse <= target.allow_worse and affordable(row)
         rows.append(row)
     rows.sort(key=lambda r: (r.cost, r.kl))
     meeting = [r for r in rows if r.meets_target]
+    within = [r for r in rows if affordable(r)]
     want = f"recovery >= {target.recovery:g} with at most {target.allow_worse} of {len(keys)} prompts worse than full reuse"
+    ceiling = "" if target.max_cost is None else f" at a cost of at most {target.max_cost:g}"
     if meeting:
         chosen, met = meeting[0], True
-        message = f"target met ({want}): {chosen.name} is the cheapest setting that meets it"
+        message = f"target met ({want}{ceiling}): {chosen.name} is the cheapest setting that meets it"
+    elif within:
+        chosen, met = min(within, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
+        message = (f"target NOT reached: no candidate setting gives {want}{ceiling}. The best measured setting"
+                   f"{' within the cost ceiling' if ceiling else ''}, {chosen.name} (lowest KL), is used instead; "
+                   "widen the grid (higher ratios), lower the target" + (" or raise the ceiling" if ceiling else ""))
     else:
-        chosen, met = min(rows, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
-        message = (f"target NOT reached: no candidate setting gives {want}. The best measured setting, "
-                   f"{chosen.name} (lowest KL), is used instead; widen the grid (higher ratios) or lower the target")
+        chosen, met = min(rows, key=lambda r: r.cost), False
+        message = (f"target NOT reached: every candidate costs more than the ceiling ({target.max_cost:g}; the "
+                   f"cheapest costs {chosen.cost:.3f}). {chosen.name}, the cheapest, is used; raise --max-cost or "
+                   "add cheaper candidates")
     return CalibrationResult(model=engine.model_name, fingerprint=engine.fingerprint, target=target, cost_kind=cost,
                              prompts=len(keys), candidates=rows, full_reuse=full_reuse, chosen=chosen, target_met=met,
                              message=message, measurement=measurement, data=data)

@@ -112,6 +112,33 @@ def test_an_unreachable_target_is_said_plainly_and_the_best_setting_is_used(engi
     assert engine.calibration().name == result.chosen.name
 
 
+def test_a_cost_ceiling_is_never_crossed_met_or_not(engine, prompts, measured):
+    _, state = measured
+    free = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=1.01), progress=False, state_path=state)
+    exact = next(r for r in free.candidates if r.name == "kv_deviation@1")
+    assert free.chosen is exact  # without a ceiling the best measured setting is the most expensive one
+
+    ceiling = sorted(r.cost for r in free.candidates)[-2]  # everything but ratio 1.0 is affordable
+    capped = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=1.01, max_cost=ceiling),
+                       progress=False, state_path=state)
+    affordable = [r for r in capped.candidates if r.cost <= ceiling]
+    assert not capped.target_met and "within the cost ceiling" in capped.message
+    assert capped.chosen.kl == min(r.kl for r in affordable) and capped.chosen.cost <= ceiling
+
+    reachable = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(max_cost=ceiling), progress=False,
+                          state_path=state)
+    assert all(not r.meets_target for r in reachable.candidates if r.cost > ceiling)
+    assert reachable.chosen.cost <= ceiling
+
+    nothing = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(max_cost=1e-9), progress=False,
+                        state_path=state)
+    assert not nothing.target_met and "every candidate costs more than the ceiling" in nothing.message
+    assert nothing.chosen.cost == min(r.cost for r in nothing.candidates)
+    for bad in (0, -0.5, float("nan"), True, "0.3"):
+        with pytest.raises(ConfigError, match="max_cost"):
+            CalibrationTarget(max_cost=bad)
+
+
 def test_the_saved_result_is_the_engines_default_and_the_stats_say_so(engine, measured):
     result, _ = measured
     assert engine.config_source == "built-in" and engine.default_config() == BlendConfig()
@@ -222,6 +249,9 @@ def test_the_command_calibrates_a_corpus_and_saves_where_the_engine_looks(engine
     assert saved is not None and saved.document["prompts"] == 2
     assert (out / f"{engine.fingerprint}.state.json").exists()
     assert Path(saved.document["data"]["corpus"]) == demo_corpus_dir()
+    assert saved.document["target"] == {"recovery": 0.9, "allow_worse": 0, "max_cost": None}
+    capped = build_parser().parse_args(["calibrate", "--corpus", "c", "--questions", "q", "--max-cost", "0.29"])
+    assert capped.max_cost == 0.29
 
 
 def test_the_cost_may_be_measured_ttft(engine, prompts, measured):

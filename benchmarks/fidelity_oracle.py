@@ -1,0 +1,103 @@
+"""Oracle corrections of a blend's stale entries, for the research loop: what fixing one part of the error
+exactly would buy, before anyone tries to estimate it.
+
+A blend leaves most cached tokens *stale*: their K/V were computed with their chunk alone. Full prefill's
+per-layer K/V (the research loop's reference) says what they should have been. After each layer that a blend
+patches, an oracle moves the stale entries towards the reference:
+
+- ``k_full`` / ``v_full`` / ``kv_full``: the stale keys, values or both replaced by full prefill's. This
+  separates the keys' part of the loss from the values'.
+- ``k_shift`` / ``v_shift`` / ``kv_shift``: each chunk's stale entries moved by the one shift (per KV head and
+  channel, keys before RoPE) that best fits their error, the mean of it: the ceiling of the engine's
+  ``stale_key_correction``, and of a value correction built the same way.
+
+``layers`` (``"a-b"``, inclusive) limits it to those layers. Research code: it patches ``BlendRun`` while
+active and is not part of the package.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from cacheblend_rag.engine.blend_run import BlendRun
+
+ORACLE_OPTIONS = ("oracle", "oracle_layers")
+MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
+
+
+@dataclass(frozen=True)
+class OracleSetting:
+    mode: str
+    first_layer: int = 0
+    last_layer: int = 10**6
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"oracle={self.mode!r}: choose one of {', '.join(MODES)}")
+
+    @classmethod
+    def parse(cls, mode: str, layers: str | None) -> "OracleSetting":
+        if not layers:
+            return cls(mode)
+        first, _, last = str(layers).partition("-")
+        return cls(mode, int(first), int(last or first))
+
+
+def _chunk_means(diff: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """``diff`` ``[heads, tokens, d]``, ``chunk_of`` ``[tokens]``: each token's chunk mean of ``diff``."""
+    totals = diff.new_zeros(diff.shape[0], n_chunks, diff.shape[2])
+    totals.index_add_(1, chunk_of, diff)
+    counts = torch.bincount(chunk_of, minlength=n_chunks).clamp(min=1)
+    return (totals / counts.view(1, -1, 1))[:, chunk_of]
+
+
+def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: torch.Tensor,
+            reference: list[tuple[torch.Tensor, torch.Tensor]], setting: OracleSetting) -> None:
+    """Move ``layer``'s stale entries (cached, not active) towards ``reference`` in place."""
+    if not setting.first_layer <= layer <= setting.last_layer:
+        return
+    layout = run.layout
+    chunk_of = torch.full((layout.n_cached,), -1, dtype=torch.long)
+    for index, (start, end) in enumerate(layout.chunk_spans):
+        chunk_of[start:end] = index
+    stale = ~torch.isin(layout.cached_pos, run.active) & (chunk_of >= 0)
+    pos, chunk_of = layout.cached_pos[stale], chunk_of[stale]
+    ref_k, ref_v = reference[layer]
+    full = setting.mode.endswith("_full")
+    if "k" in setting.mode.split("_")[0]:
+        cur = key_layer[0, :, pos].float()
+        target = ref_k[:, pos].float()
+        if full:
+            new = target
+        else:
+            cos, sin = run.cos[:, pos].float(), run.sin[:, pos].float()
+            diff = run.a.apply_rope((target - cur).unsqueeze(0), cos, -sin)[0]
+            shift = run.a.apply_rope(_chunk_means(diff, chunk_of, len(layout.chunk_spans)).unsqueeze(0), cos, sin)[0]
+            new = cur + shift
+        key_layer[0, :, pos] = new.to(key_layer.dtype)
+    if "v" in setting.mode.split("_")[0]:
+        cur = value_layer[0, :, pos].float()
+        target = ref_v[:, pos].float()
+        new = target if full else cur + _chunk_means(target - cur, chunk_of, len(layout.chunk_spans))
+        value_layer[0, :, pos] = new.to(value_layer.dtype)
+
+
+@contextmanager
+def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: OracleSetting) -> Iterator[None]:
+    """Every blend run inside gets ``setting``'s oracle after each patched layer."""
+    original = BlendRun._patched_layer
+
+    def patched(self: BlendRun, layer: int, k: torch.Tensor, v: torch.Tensor):
+        key_layer, value_layer = original(self, layer, k, v)
+        correct(self, layer, key_layer, value_layer, reference, setting)
+        return key_layer, value_layer
+
+    BlendRun._patched_layer = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BlendRun._patched_layer = original  # type: ignore[method-assign]
