@@ -53,7 +53,8 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
 
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
-from fidelity_oracle import ORACLE_OPTIONS, OracleSetting, oracle_blend  # noqa: E402
+from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, key_correction_layers,  # noqa: E402
+                             local_key_correction, oracle_blend)  # noqa: E402
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -100,6 +101,39 @@ class SensitiveRead(SelectionStrategy):
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         return top_indices(ctx.question_attention().float() * _scores(ctx).sqrt(), ctx.budget)
+
+
+# ------------------------------------------- an oracle selector: what a perfect deviation predictor would pick
+# The tokens whose stored V is furthest from full prefill's, summed over every layer (each layer's distance
+# divided by its mean V norm): CacheBlend's aim (recompute the most deviating tokens) with the deviation known
+# everywhere instead of estimated at one early layer. It reads full prefill's K/V, so it only says how much
+# the choice of tokens can still give at a budget.
+@register_strategy
+@dataclass(frozen=True)
+class OracleDeviation(SelectionStrategy):
+    name: ClassVar[str] = "oracle_dev"
+
+    @property
+    def needs(self) -> SelectionNeeds:
+        return SelectionNeeds(check_layer=1)
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        s = SENSITIVITY["oracle"]
+        if ctx.num_cached > s.numel():
+            s = torch.cat([torch.zeros(ctx.num_cached - s.numel()), s])
+        return top_indices(s.to(ctx.cached_v.device), ctx.budget)
+
+
+def oracle_scores(chunks: list[ChunkKV], reference_kv, first: int) -> torch.Tensor:
+    """Per chunk token (the chunks back to back from prompt position ``first``): its stored V's squared
+    distance to full prefill's, each layer's divided by that layer's mean, summed over layers."""
+    n = sum(len(c.token_ids) for c in chunks)
+    total = torch.zeros(n)
+    for layer, (_, ref_v) in enumerate(reference_kv):
+        stored = torch.cat([c.values[layer].float() for c in chunks], dim=1)
+        d = (stored - ref_v[:, first:first + n].float()).pow(2).sum(dim=(0, 2))
+        total += d / d.mean()
+    return total
 
 
 def sensitivity_scores(plain: list[ChunkKV], conditioned: list[ChunkKV]) -> torch.Tensor:
@@ -297,6 +331,8 @@ def run(args: argparse.Namespace) -> None:
         lead = stored_chunks(engine, store, [prompt.lead_ids], ())[0]
         if any(parse_method(m)[0].selection in ("sensitivity", "sensitive_read") for m in todo):
             SENSITIVITY["scores"] = sensitivity_scores(chunks["plain"], chunks["prefix"])
+        if any(parse_method(m)[0].selection == "oracle_dev" for m in todo):
+            SENSITIVITY["oracle"] = oracle_scores(chunks["plain"], ref_kv, len(prompt.lead_ids))
         for m in todo:
             cfg, cond = parse_method(m)
             segs = [CachedSegment(lead), *(CachedSegment(c) for c in chunks[cond]), FreshSegment(prompt.tail_ids)]
@@ -309,6 +345,11 @@ def run(args: argparse.Namespace) -> None:
                     patches.enter_context(ape_blend(cached, len(ids), ape))
                 if oracle:
                     patches.enter_context(oracle_blend(ref_kv, oracle))
+                if "keyshift_layers" in _options(m):
+                    first, _, last = str(_options(m)["keyshift_layers"]).partition("-")
+                    patches.enter_context(key_correction_layers(int(first), int(last or first)))
+                if "keyshift_tau" in _options(m):
+                    patches.enter_context(local_key_correction(float(_options(m)["keyshift_tau"])))
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

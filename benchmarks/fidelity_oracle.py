@@ -11,7 +11,10 @@ patches, an oracle moves the stale entries towards the reference:
   channel, keys before RoPE) that best fits their error, the mean of it: the ceiling of the engine's
   ``stale_key_correction``, and of a value correction built the same way.
 
-``layers`` (``"a-b"``, inclusive) limits it to those layers. Research code: it patches ``BlendRun`` while
+``layers`` (``"a-b"``, inclusive) limits it to those layers. Not an oracle, but patched the same way:
+``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
+``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
+weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
 """
 
@@ -25,7 +28,7 @@ import torch
 
 from cacheblend_rag.engine.blend_run import BlendRun
 
-ORACLE_OPTIONS = ("oracle", "oracle_layers")
+ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
 
@@ -101,3 +104,50 @@ def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: Or
         yield
     finally:
         BlendRun._patched_layer = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def key_correction_layers(first: int, last: int) -> Iterator[None]:
+    """The engine's ``stale_key_correction`` applied only in layers ``first``..``last`` (inclusive)."""
+    original = BlendRun._patched_layer
+
+    def patched(self: BlendRun, layer: int, k: torch.Tensor, v: torch.Tensor):
+        full = getattr(self, "_research_key_correction", self.key_correction)
+        self._research_key_correction = full
+        self.key_correction = full if first <= layer <= last else 0.0
+        return original(self, layer, k, v)
+
+    BlendRun._patched_layer = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BlendRun._patched_layer = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def local_key_correction(tau: float) -> Iterator[None]:
+    """``stale_key_correction`` with each token's estimate from its chunk's recomputed tokens, nearest
+    weighted most (``exp(-|distance| / tau)``), instead of the chunk's plain mean."""
+    original = BlendRun._correct_stale_keys
+
+    def correct_locally(self: BlendRun, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
+        selected, layout = self.selected, self.layout
+        if selected is None or not selected.numel() or not layout.chunk_spans:
+            return
+        sel_pos = layout.cached_pos[selected]
+        change = fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)] - key_layer[:, :, sel_pos]
+        change = self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
+        cached_pos = layout.cached_pos
+        same_chunk = self.chunk_of[:, None] == self.chunk_of[selected][None, :]
+        distance = (cached_pos[:, None] - sel_pos[None, :]).abs().float()
+        weights = torch.exp(-distance / tau) * same_chunk
+        weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1e-30)
+        local = torch.einsum("ts,bhsd->bhtd", weights, change)
+        shift = self.a.apply_rope(local, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
+        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
+
+    BlendRun._correct_stale_keys = correct_locally  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BlendRun._correct_stale_keys = original  # type: ignore[method-assign]
