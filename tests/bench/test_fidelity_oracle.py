@@ -1,0 +1,105 @@
+"""The research loop's oracle corrections and local key correction (benchmarks/fidelity_oracle.py,
+docs/quality.md "Where the 1.5B model's loss sits"): an exact oracle turns any blend into full prefill,
+a partial one touches only what it names, and the local estimate with an infinite width is the engine's
+per-chunk mean."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig
+from cacheblend_rag.engine import CachedSegment, FreshSegment
+from cacheblend_rag.testing import tiny_engine
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import fidelity_oracle
+        yield fidelity_oracle
+    finally:
+        sys.path.remove(BENCHMARKS)
+        sys.modules.pop("fidelity_oracle", None)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    engine = tiny_engine("qwen2")
+    g = torch.Generator().manual_seed(1)
+    lead = torch.randint(10, 200, (4,), generator=g).tolist()
+    chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
+    tail = torch.randint(10, 200, (5,), generator=g).tolist()
+    ids = [*lead, *(t for c in chunks for t in c), *tail]
+    full = engine.full_prefill(ids)
+    reference = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in full.cache.layers]
+
+    def blend(config: BlendConfig):
+        segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(tail)]
+        return engine.blend(segments, config=config)
+
+    return engine, full, reference, blend, len(lead), sum(len(c) for c in chunks)
+
+
+CB = BlendConfig(selection="kv_deviation", recompute_ratio=0.2)
+
+
+def test_exact_keys_and_values_make_any_blend_full_prefill(oracle, setup):
+    _, full, reference, blend, _, _ = setup
+    plain = blend(CB)
+    assert not torch.allclose(plain.logits, full.logits, atol=1e-3)
+    with oracle.oracle_blend(reference, oracle.OracleSetting("kv_full")):
+        fixed = blend(CB)
+    torch.testing.assert_close(fixed.logits, full.logits, atol=2e-4, rtol=1e-4)
+
+
+def test_a_partial_oracle_touches_only_what_it_names(oracle, setup):
+    _, _, reference, blend, first, n = setup
+    plain = blend(CB)
+    stale = torch.ones(len(reference[0][0][0]), dtype=torch.bool)
+    stale[:] = False
+    stale[first:first + n] = True
+    stale[torch.tensor(plain.stats.selected_positions, dtype=torch.long)] = False
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("k_full", "3-3")):
+        keys_only = blend(CB)
+    for layer, (ref_k, ref_v) in enumerate(reference):
+        got = keys_only.cache.layers[layer]
+        if layer == 3:  # the stale keys are full prefill's, their values the blend's own
+            torch.testing.assert_close(got.keys[0][:, stale], ref_k[:, stale])
+            assert not torch.allclose(got.values[0][:, stale], ref_v[:, stale], atol=1e-4)
+        if layer < 3:  # layers before the oracle's range are the plain blend's
+            torch.testing.assert_close(got.keys[0], plain.cache.layers[layer].keys[0])
+    with pytest.raises(ValueError, match="oracle="):
+        oracle.OracleSetting("q_full")
+
+
+def test_a_chunk_shift_leaves_the_stale_error_with_zero_mean(oracle, setup):
+    engine, _, reference, blend, first, n = setup
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("v_shift", "2-2")):
+        shifted = blend(CB)
+    selected = torch.tensor(shifted.stats.selected_positions, dtype=torch.long)
+    for start in range(first, first + n, 24):  # each chunk's stale values: the error's mean is gone
+        chunk = torch.arange(start, start + 24)
+        stale = chunk[~torch.isin(chunk, selected)]
+        error = shifted.cache.layers[2].values[0][:, stale] - reference[2][1][:, stale]
+        torch.testing.assert_close(error.mean(dim=1), torch.zeros_like(error[:, 0]), atol=1e-5, rtol=0)
+
+
+def test_the_local_key_correction_at_infinite_width_is_the_chunk_mean(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    config = BlendConfig(selection="kv_deviation", recompute_ratio=0.2, stale_key_correction=0.5)
+    mean = blend(config)
+    with oracle.local_key_correction(1e9):
+        wide = blend(config)
+    with oracle.local_key_correction(2.0):
+        local = blend(config)
+    for a, b, c in zip(mean.cache.layers, wide.cache.layers, local.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+    assert any(not torch.allclose(a.keys, c.keys, atol=1e-4) for a, c in zip(mean.cache.layers, local.cache.layers))
