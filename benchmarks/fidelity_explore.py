@@ -53,8 +53,8 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
 
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
-from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, key_correction_layers,  # noqa: E402
-                             local_key_correction, oracle_blend)  # noqa: E402
+from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
+                             key_correction_layers, local_key_correction, oracle_blend)  # noqa: E402
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -350,6 +350,8 @@ def run(args: argparse.Namespace) -> None:
                     patches.enter_context(key_correction_layers(int(first), int(last or first)))
                 if "keyshift_tau" in _options(m):
                     patches.enter_context(local_key_correction(float(_options(m)["keyshift_tau"])))
+                if _options(m).get("keyshift_fit") == "diag":
+                    patches.enter_context(affine_key_correction())
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

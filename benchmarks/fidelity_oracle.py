@@ -14,7 +14,8 @@ patches, an oracle moves the stale entries towards the reference:
 ``layers`` (``"a-b"``, inclusive) limits it to those layers. Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
-weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean. Research code: it patches ``BlendRun`` while
+weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag`` predicts each stale key's change from the key itself,
+``a * k + b_chunk`` per channel, fitted on the recomputed tokens. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from cacheblend_rag.engine.blend_run import BlendRun
 
-ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau")
+ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
 
@@ -147,6 +148,51 @@ def local_key_correction(tau: float) -> Iterator[None]:
         key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
 
     BlendRun._correct_stale_keys = correct_locally  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BlendRun._correct_stale_keys = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def affine_key_correction() -> Iterator[None]:
+    """``stale_key_correction`` with each stale key's change predicted from the key itself: per layer, KV
+    head and channel ``change = a * key + b[chunk]`` (keys before RoPE), least squares over the recomputed
+    tokens (``a`` shared by the chunks, ``b`` each chunk's)."""
+    original = BlendRun._correct_stale_keys
+
+    def correct_affinely(self: BlendRun, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
+        selected, layout = self.selected, self.layout
+        if selected is None or not selected.numel() or not layout.chunk_spans:
+            return
+        cached_pos = layout.cached_pos
+        stale_keys = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
+                                       -self.sin[:, cached_pos].float())  # [1, heads, cached, d]
+        sel_pos = cached_pos[selected]
+        fresh = self.a.apply_rope(fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)].float(),
+                                  self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
+        k_sel = stale_keys[:, :, selected]
+        change = fresh - k_sel
+        n_chunks = len(layout.chunk_spans)
+        chunks = self.chunk_of[selected]
+        counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1).view(1, 1, -1, 1).float()
+
+        def chunk_mean(x: torch.Tensor) -> torch.Tensor:
+            totals = x.new_zeros(x.shape[0], x.shape[1], n_chunks, x.shape[3])
+            totals.index_add_(2, chunks, x)
+            return totals / counts
+
+        mean_change, mean_key = chunk_mean(change), chunk_mean(k_sel)
+        centred_change = change - mean_change[:, :, chunks]
+        centred_key = k_sel - mean_key[:, :, chunks]
+        a = (centred_change * centred_key).sum(dim=2, keepdim=True) / centred_key.pow(2).sum(
+            dim=2, keepdim=True).clamp(min=1e-12)
+        b = mean_change - a * mean_key
+        predicted = a * stale_keys + b[:, :, self.chunk_of]
+        shift = self.a.apply_rope(predicted, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
+        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
+
+    BlendRun._correct_stale_keys = correct_affinely  # type: ignore[method-assign]
     try:
         yield
     finally:
