@@ -59,8 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="least share of full reuse's KL to full prefill a setting must recover")
     target.add_argument("--allow-worse", type=int, default=0, help="prompts allowed to be worse than full reuse")
     target.add_argument("--max-cost", type=float, default=None,
-                        help="the most a setting may cost, full prefill = 1 (0.29 keeps a 3.5x speedup); a setting "
-                             "above it is never chosen, not even when the target is out of reach (default: no ceiling)")
+                        help="the most a setting may cost, full prefill = 1 (with --cost ttft, 0.29 keeps a 3.5x "
+                             "speedup; in work units the engine reaches ~0.7-0.9 of the bound on a CPU, so ~0.25); a "
+                             "setting above it is not chosen even when the target is out of reach, unless every "
+                             "candidate is (then the cheapest, said plainly) (default: no ceiling)")
     target.add_argument("--cost", choices=("work", "ttft"), default="work",
                         help="what 'cheapest' means: layer-units computed (deterministic) or measured TTFT")
     target.add_argument("--candidates", default=None,

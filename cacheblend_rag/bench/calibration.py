@@ -125,8 +125,9 @@ def parse_candidates(items: str | Sequence[str] | None = None, base: BlendConfig
 class CalibrationTarget:
     """recovery: the least recovery of full reuse's KL a setting must reach (0.8: 80%);
     allow_worse: how many prompts may be worse than full reuse; max_cost: the most a setting may cost
-    (full prefill = 1, so 1 / 3.5 keeps a 3.5x TTFT floor), or None for no ceiling. A setting above
-    the ceiling is never chosen, not even as the best measured one when the target is out of reach."""
+    (full prefill = 1; with measured TTFT as the cost, 1 / 3.5 keeps a 3.5x floor), or None for no
+    ceiling. A setting above the ceiling is not chosen, not even as the best measured one when the
+    target is out of reach; only when every candidate is above it is the cheapest used, and said."""
 
     recovery: float = 0.8
     allow_worse: int = 0
@@ -143,7 +144,7 @@ class CalibrationTarget:
         if self.max_cost is not None and (isinstance(self.max_cost, bool) or not isinstance(self.max_cost, (int, float))
                                           or not math.isfinite(self.max_cost) or self.max_cost <= 0):
             raise ConfigError(f"max_cost={self.max_cost!r} must be a number > 0, the most a setting may cost with full "
-                              "prefill = 1 (0.29 keeps a 3.5x speedup), or None for no ceiling")
+                              "prefill = 1 (with --cost ttft, 0.29 keeps a 3.5x speedup), or None for no ceiling")
 
 
 # --------------------------------------------------------------------------- results
