@@ -4,7 +4,7 @@ and the report of what they did.
 ``run``: per question, full prefill's greedy answer, its teacher-forced logits and its per-layer K/V are
 computed once and kept (the harness's reference cache, ``--reference-cache``); chunk KV (plain, or
 computed behind a prefix: the stand-in conditioning ``+prefix``, the prompt's real lead ``+lead``, its
-first token ``+sink``) is kept in a disk chunk store at float32. Both check what they read (a damaged
+first token ``+sink``, FusionRAG's corpus neighbours ``+nb1``-``+nb3``) is kept in a disk chunk store at float32. Both check what they read (a damaged
 entry is reported and computed again) and never unpickle. A method then costs only its blend and its teacher forcing. Results append to a JSONL, one line a
 (question, method); a rerun skips what is there, so a stopped run resumes. What `cacheblend-rag bench
 --reference-cache --store disk:PATH --resume` does for the package's methods, with the chunk
@@ -54,7 +54,7 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
-                             key_correction_layers, local_key_correction, oracle_blend)  # noqa: E402
+                             key_correction_layers, local_key_correction, oracle_blend)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages

@@ -14,8 +14,9 @@ patches, an oracle moves the stale entries towards the reference:
 ``layers`` (``"a-b"``, inclusive) limits it to those layers. Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
-weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag`` predicts each stale key's change from the key itself,
-``a * k + b_chunk`` per channel, fitted on the recomputed tokens. Research code: it patches ``BlendRun`` while
+weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
+predicts each stale key's change from the key itself, ``a * k + b_chunk`` per channel, fitted on the
+recomputed tokens. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
 """
 
