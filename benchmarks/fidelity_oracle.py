@@ -22,7 +22,7 @@ active and is not part of the package.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -92,7 +92,17 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
 
 
 @contextmanager
-def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: OracleSetting) -> Iterator[None]:
+def _replaced(name: str, replacement) -> Iterator[None]:
+    """``BlendRun.<name>`` is ``replacement`` while active."""
+    original = getattr(BlendRun, name)
+    setattr(BlendRun, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(BlendRun, name, original)
+
+
+def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: OracleSetting) -> AbstractContextManager[None]:
     """Every blend run inside gets ``setting``'s oracle after each patched layer."""
     original = BlendRun._patched_layer
 
@@ -101,15 +111,10 @@ def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: Or
         correct(self, layer, key_layer, value_layer, reference, setting)
         return key_layer, value_layer
 
-    BlendRun._patched_layer = patched  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        BlendRun._patched_layer = original  # type: ignore[method-assign]
+    return _replaced("_patched_layer", patched)
 
 
-@contextmanager
-def key_correction_layers(first: int, last: int) -> Iterator[None]:
+def key_correction_layers(first: int, last: int) -> AbstractContextManager[None]:
     """The engine's ``stale_key_correction`` applied only in layers ``first``..``last`` (inclusive)."""
     original = BlendRun._patched_layer
 
@@ -119,62 +124,35 @@ def key_correction_layers(first: int, last: int) -> Iterator[None]:
         self.key_correction = full if first <= layer <= last else 0.0
         return original(self, layer, k, v)
 
-    BlendRun._patched_layer = patched  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        BlendRun._patched_layer = original  # type: ignore[method-assign]
+    return _replaced("_patched_layer", patched)
 
 
-@contextmanager
-def local_key_correction(tau: float) -> Iterator[None]:
+def local_key_correction(tau: float) -> AbstractContextManager[None]:
     """``stale_key_correction`` with each token's estimate from its chunk's recomputed tokens, nearest
     weighted most (``exp(-|distance| / tau)``), instead of the chunk's plain mean."""
-    original = BlendRun._correct_stale_keys
 
-    def correct_locally(self: BlendRun, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
-        selected, layout = self.selected, self.layout
-        if selected is None or not selected.numel() or not layout.chunk_spans:
-            return
-        sel_pos = layout.cached_pos[selected]
-        change = fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)] - key_layer[:, :, sel_pos]
-        change = self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
-        cached_pos = layout.cached_pos
+    def local_shift(self: BlendRun, key_layer: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        selected, cached_pos = self.selected, self.layout.cached_pos
         same_chunk = self.chunk_of[:, None] == self.chunk_of[selected][None, :]
-        distance = (cached_pos[:, None] - sel_pos[None, :]).abs().float()
+        distance = (cached_pos[:, None] - cached_pos[selected][None, :]).abs().float()
         weights = torch.exp(-distance / tau) * same_chunk
         weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1e-30)
-        local = torch.einsum("ts,bhsd->bhtd", weights, change)
-        shift = self.a.apply_rope(local, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
-        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
+        return torch.einsum("ts,bhsd->bhtd", weights, change)
 
-    BlendRun._correct_stale_keys = correct_locally  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        BlendRun._correct_stale_keys = original  # type: ignore[method-assign]
+    return _replaced("_stale_key_shift", local_shift)
 
 
-@contextmanager
-def affine_key_correction() -> Iterator[None]:
+def affine_key_correction() -> AbstractContextManager[None]:
     """``stale_key_correction`` with each stale key's change predicted from the key itself: per layer, KV
     head and channel ``change = a * key + b[chunk]`` (keys before RoPE), least squares over the recomputed
     tokens (``a`` shared by the chunks, ``b`` each chunk's)."""
-    original = BlendRun._correct_stale_keys
 
-    def correct_affinely(self: BlendRun, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
-        selected, layout = self.selected, self.layout
-        if selected is None or not selected.numel() or not layout.chunk_spans:
-            return
-        cached_pos = layout.cached_pos
+    def affine_shift(self: BlendRun, key_layer: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        selected, cached_pos = self.selected, self.layout.cached_pos
         stale_keys = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
                                        -self.sin[:, cached_pos].float())  # [1, heads, cached, d]
-        sel_pos = cached_pos[selected]
-        fresh = self.a.apply_rope(fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)].float(),
-                                  self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
         k_sel = stale_keys[:, :, selected]
-        change = fresh - k_sel
-        n_chunks = len(layout.chunk_spans)
+        n_chunks = len(self.layout.chunk_spans)
         chunks = self.chunk_of[selected]
         counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1).view(1, 1, -1, 1).float()
 
@@ -189,12 +167,6 @@ def affine_key_correction() -> Iterator[None]:
         a = (centred_change * centred_key).sum(dim=2, keepdim=True) / centred_key.pow(2).sum(
             dim=2, keepdim=True).clamp(min=1e-12)
         b = mean_change - a * mean_key
-        predicted = a * stale_keys + b[:, :, self.chunk_of]
-        shift = self.a.apply_rope(predicted, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
-        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
+        return a * stale_keys + b[:, :, self.chunk_of]
 
-    BlendRun._correct_stale_keys = correct_affinely  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        BlendRun._correct_stale_keys = original  # type: ignore[method-assign]
+    return _replaced("_stale_key_shift", affine_shift)

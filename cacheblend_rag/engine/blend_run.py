@@ -262,21 +262,38 @@ class BlendRun:
         keys saw in this layer (``fresh_keys``, the active tokens', against the merged ``key_layer``). The
         change is averaged before RoPE, since a rotated key's change turns with its position, and rotated to
         each token's own; the recomputed tokens' fresh keys are written over theirs afterwards."""
+        change = self._recomputed_key_change(key_layer, fresh_keys)
+        if change is None:
+            return
+        self._shift_cached_keys(key_layer, self._stale_key_shift(key_layer, change))
+
+    def _recomputed_key_change(self, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> torch.Tensor | None:
+        """The selected tokens' fresh keys minus their cached ones, before RoPE (``[1, kv_heads, selected,
+        head_dim]``, float32), or None when no chunk token was recomputed."""
         selected, layout = self.selected, self.layout
         if selected is None or not selected.numel() or not layout.chunk_spans:
-            return
+            return None
         sel_pos = layout.cached_pos[selected]
         change = fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)] - key_layer[:, :, sel_pos]
-        change = self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
-        chunks = self.chunk_of[selected]
-        totals = change.new_zeros(change.shape[0], change.shape[1], len(layout.chunk_spans), change.shape[3])
+        return self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
+
+    def _stale_key_shift(self, key_layer: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        """Each blendable cached token's estimated key change before RoPE: its chunk's mean ``change``."""
+        assert self.selected is not None
+        chunks = self.chunk_of[self.selected]
+        n_chunks = len(self.layout.chunk_spans)
+        totals = change.new_zeros(change.shape[0], change.shape[1], n_chunks, change.shape[3])
         totals.index_add_(2, chunks, change)
-        counts = torch.bincount(chunks, minlength=len(layout.chunk_spans)).clamp(min=1)
+        counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1)
         means = totals / counts.view(1, 1, -1, 1)  # a chunk with no recomputed token: no change
-        cached_pos = layout.cached_pos
-        shift = self.a.apply_rope(means[:, :, self.chunk_of], self.cos[:, cached_pos].float(),
-                                  self.sin[:, cached_pos].float())
-        key_layer.index_add_(2, cached_pos, (self.key_correction * shift).to(key_layer.dtype))
+        return means[:, :, self.chunk_of]
+
+    def _shift_cached_keys(self, key_layer: torch.Tensor, shift: torch.Tensor) -> None:
+        """Add ``stale_key_correction`` times ``shift`` (before RoPE, one row per blendable cached token),
+        rotated to each token's position, to ``key_layer``."""
+        cached_pos = self.layout.cached_pos
+        rotated = self.a.apply_rope(shift, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
+        key_layer.index_add_(2, cached_pos, (self.key_correction * rotated).to(key_layer.dtype))
 
     def _context(
         self, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached: CachedKV | None = None
