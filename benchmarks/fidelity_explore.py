@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors.torch import load_file
 
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.metrics import recovery, token_kl, top1_agreement
@@ -52,6 +53,7 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
                                              register_strategy, top_indices)
 
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_keymap import KEYMAP_OPTIONS, keymap_blend  # noqa: E402
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
                              key_correction_layers, local_key_correction, oracle_blend)
@@ -224,7 +226,8 @@ def parse_method(spec: str):
     for variant in ("prefix", "lead", "sink", *NEIGHBOUR_VARIANTS):
         if name.endswith("+" + variant):
             name, prefix = name[: -len(variant) - 1], variant
-    kw = {k: v for k, v in _options(spec).items() if k not in APE_OPTIONS + ORACLE_OPTIONS}  # see ape_of(), oracle_of()
+    research = APE_OPTIONS + ORACLE_OPTIONS + KEYMAP_OPTIONS  # see ape_of(), oracle_of(), the keymap patch
+    kw = {k: v for k, v in _options(spec).items() if k not in research}
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
     else:
@@ -352,6 +355,11 @@ def run(args: argparse.Namespace) -> None:
                     patches.enter_context(local_key_correction(float(_options(m)["keyshift_tau"])))
                 if _options(m).get("keyshift_fit") == "diag":
                     patches.enter_context(affine_key_correction())
+                if "keymap" in _options(m):
+                    opts = _options(m)
+                    fitted = Path(opts.get("keymap_dir", "../results/keymap/fits")) / f"{opts['keymap']}_q{q}.safetensors"
+                    patches.enter_context(keymap_blend(load_file(str(fitted))["weights"], opts["keymap"],
+                                                       float(opts.get("keymap_scale", 1.0))))
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

@@ -35,7 +35,7 @@ from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.calibrated import (CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config,
-                                              key_correction_suffix)
+                                              PROBE_SHIFT_STRIDE, correction_suffix)
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.codec import STORAGE_DTYPES
@@ -47,6 +47,9 @@ PREFIX_SUFFIX = "+prefix"
 # A blend with BlendConfig.stale_key_correction at 1 (the chunks' stale keys moved by their recomputed tokens'
 # mean change); ``+keyshift0.5`` for another share.
 KEYSHIFT_SUFFIX = "+keyshift"
+# Probe tokens every 20 tokens of each chunk (``+probeshift10``: every 10), whose mean K and V change moves the
+# chunk's stale keys and values (BlendConfig.shift_probe_stride with both corrections at 1).
+PROBESHIFT_SUFFIX = "+probeshift"
 # CacheBlend as published; shown under its own name rather than its selection's.
 CACHEBLEND = "cacheblend"
 CACHEBLEND_SELECTION = "kv_deviation"
@@ -86,7 +89,9 @@ class MethodSpec:
             base = CACHEBLEND if self.selection == CACHEBLEND_SELECTION else str(self.selection)
         else:
             base = self.kind
-        correction = key_correction_suffix(dict(self.overrides).get("stale_key_correction", 0.0))
+        fields = dict(self.overrides)
+        correction = correction_suffix(fields.get("stale_key_correction", 0.0), fields.get("stale_value_correction", 0.0),
+                                       fields.get("shift_probe_stride", 0))
         return base + (PREFIX_SUFFIX if self.prefix_conditioned else "") + correction
 
     @property
@@ -174,18 +179,26 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
             name, _, ratio_text = name.partition("@")
             pinned = parse_ratios(ratio_text)
         name, correction = _key_correction(name, item)
+        name, probe_stride = _probe_shift(name, item)
+        if correction and probe_stride:
+            raise ConfigError(f"--methods: {item!r}: '{PROBESHIFT_SUFFIX}' sets the key correction itself (from its "
+                              f"probes); drop '{KEYSHIFT_SUFFIX}'")
         prefixed = name.endswith(PREFIX_SUFFIX)
         if prefixed:
             name = name[: -len(PREFIX_SUFFIX)]
         if name not in allowed:
             raise ConfigError(
                 f"--methods: unknown method {item!r}; choose from {', '.join(allowed)} or 'all', "
-                f"optionally with '{PREFIX_SUFFIX}', '{KEYSHIFT_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
+                f"optionally with '{PREFIX_SUFFIX}', '{KEYSHIFT_SUFFIX}' or '{PROBESHIFT_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
             )
-        if correction and name in (*_BASELINES, DEFAULT):
+        if (correction or probe_stride) and name in (*_BASELINES, DEFAULT):
+            suffix = PROBESHIFT_SUFFIX if probe_stride else KEYSHIFT_SUFFIX
             raise ConfigError(f"--methods: {item!r}: {name} recomputes no chunk token, so it takes no "
-                              f"'{KEYSHIFT_SUFFIX}' (a blend's keys move by what its recomputed tokens saw)")
-        overrides = (("stale_key_correction", correction),) if correction else ()
+                              f"'{suffix}' (a blend's stale K/V move by what its recomputed tokens saw)")
+        overrides: tuple[tuple[str, Any], ...] = (("stale_key_correction", correction),) if correction else ()
+        if probe_stride:
+            overrides = (("shift_probe_stride", probe_stride), ("stale_key_correction", 1.0),
+                         ("stale_value_correction", 1.0))
         if name == DEFAULT:
             if prefixed or pinned or storage:
                 raise ConfigError(f"--methods: {item!r}: default is the engine's own setting for the model, whole; "
@@ -231,6 +244,21 @@ def _key_correction(name: str, item: str) -> tuple[str, float]:
         raise ConfigError(f"--methods: {item!r}: '{KEYSHIFT_SUFFIX}{digits}' wants a share in [0, 2] after it, or "
                           f"none for 1 (e.g. cacheblend{KEYSHIFT_SUFFIX}@0.15)") from None
     return head + rest[len(digits):], value
+
+
+def _probe_shift(name: str, item: str) -> tuple[str, int]:
+    """``name`` without its ``+probeshift[STRIDE]``, and the probe stride it asks for (0: none)."""
+    head, found, rest = name.partition(PROBESHIFT_SUFFIX)
+    if not found:
+        return name, 0
+    digits = rest.split("+", 1)[0]
+    try:
+        stride = int(digits) if digits else PROBE_SHIFT_STRIDE
+        BlendConfig(shift_probe_stride=stride, stale_key_correction=1.0, stale_value_correction=1.0)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"--methods: {item!r}: '{PROBESHIFT_SUFFIX}{digits}' wants a probe stride of 2 or more "
+                          f"after it, or none for {PROBE_SHIFT_STRIDE} (e.g. cacheblend{PROBESHIFT_SUFFIX}@0.15)") from None
+    return head + rest[len(digits):], stride
 
 
 def resolve_default(spec: MethodSpec, engine: Any) -> MethodSpec:

@@ -32,7 +32,7 @@ from cacheblend_rag.engine.kv_source import CachedKVSource
 from cacheblend_rag.engine.layout import MergedLayers, PromptLayout
 from cacheblend_rag.engine.profile import Profile, profile_question
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.selection import SelectionContext, SelectionStrategy, selection_budget
+from cacheblend_rag.engine.selection import SelectionContext, SelectionStrategy, probe_indices, selection_budget
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 CachedKV = tuple[torch.Tensor, torch.Tensor]
@@ -98,10 +98,14 @@ class BlendRun:
         self.recompute_all = 0 < layout.n_cached <= self.budget
         self.timings = {"profile": 0.0, "early_layers": 0.0, "check_layer": 0.0, "late_layers": 0.0}
         self.key_correction = cfg.stale_key_correction
-        if self.key_correction:  # each blendable cached token's chunk, an index into ``layout.chunk_spans``
+        self.value_correction = cfg.stale_value_correction
+        if self.key_correction or self.value_correction:
+            # each blendable cached token's chunk, an index into ``layout.chunk_spans``
             self.chunk_of = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
             for index, (start, end) in enumerate(layout.chunk_spans):
                 self.chunk_of[start:end] = index
+        self.probes = probe_indices(layout.chunk_spans, cfg.shift_probe_stride).to(layout.cached_pos.device)
+        self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
         self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype)
         self.attention = PartialAttention(cfg.mask)
@@ -205,14 +209,27 @@ class BlendRun:
         """The strategy's choice: over every blendable cached token, or pool by pool (chunks, cached
         segments) with each pool's budget."""
         if self.pools is None:
-            return self.strategy.select(ctx)
+            if not self.probes.numel():
+                return self.strategy.select(ctx)
+            everything = torch.arange(self.layout.n_cached, device=self.probes.device)
+            return self._with_probes(ctx, everything, self.budget)
         picked = []
         for index, budget in self.pools:
             if budget >= index.numel():
                 picked.append(index)
             elif budget > 0:
-                picked.append(index[self.strategy.select(_restricted(ctx, index, budget))])
+                picked.append(self._with_probes(ctx, index, budget))
         return torch.sort(torch.cat(picked)).values if picked else index[:0]
+
+    def _with_probes(self, ctx: SelectionContext, index: torch.Tensor, budget: int) -> torch.Tensor:
+        """Among the cached tokens ``index``: its probes first (``shift_probe_stride``), then the strategy's
+        choice of the rest of ``budget`` among the others."""
+        probes = self.probes[torch.isin(self.probes, index)][:budget]
+        others = index[~torch.isin(index, probes)]
+        if budget - probes.numel() <= 0 or not others.numel():
+            return probes
+        chosen = others[self.strategy.select(_restricted(ctx, others, budget - probes.numel()))]
+        return torch.sort(torch.cat([probes, chosen])).values
 
     def _refine(self, ctx: SelectionContext, current: torch.Tensor) -> torch.Tensor | None:
         """The strategy's narrowing of ``current`` (``ctx`` holds its tokens), pool by pool when pooled."""
@@ -245,8 +262,8 @@ class BlendRun:
             sel_pos = self.layout.cached_pos[self.selected]
             cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
         fresh_keys = self.a.apply_rope(k, self.cos[:, self.active], self.sin[:, self.active])
-        if self.key_correction:
-            self._correct_stale_keys(key_layer, fresh_keys)
+        if self.key_correction or self.value_correction:
+            self._correct_stale_entries(key_layer, value_layer, fresh_keys, v)
         key_layer.index_copy_(2, self.active, fresh_keys)
         value_layer.index_copy_(2, self.active, v)
         if narrowing:
@@ -257,36 +274,44 @@ class BlendRun:
                 self._restrict(self._active_for(narrowed))
         return key_layer, value_layer
 
-    def _correct_stale_keys(self, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> None:
-        """Move every key of a chunk by ``stale_key_correction`` times the mean change its recomputed tokens'
-        keys saw in this layer (``fresh_keys``, the active tokens', against the merged ``key_layer``). The
+    def _correct_stale_entries(self, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
+                               fresh_values: torch.Tensor) -> None:
+        """Move every key (``stale_key_correction``) and value (``stale_value_correction``) of a chunk by that
+        share of the mean change its estimating tokens saw in this layer: the probes (``shift_probe_stride``),
+        else every recomputed token. ``fresh_*`` are the active tokens', against the merged ``*_layer``. A key's
         change is averaged before RoPE, since a rotated key's change turns with its position, and rotated to
-        each token's own; the recomputed tokens' fresh keys are written over theirs afterwards."""
-        change = self._recomputed_key_change(key_layer, fresh_keys)
-        if change is None:
-            return
-        self._shift_cached_keys(key_layer, self._stale_key_shift(key_layer, change))
-
-    def _recomputed_key_change(self, key_layer: torch.Tensor, fresh_keys: torch.Tensor) -> torch.Tensor | None:
-        """The selected tokens' fresh keys minus their cached ones, before RoPE (``[1, kv_heads, selected,
-        head_dim]``, float32), or None when no chunk token was recomputed."""
+        each token's own; the recomputed tokens' fresh K/V are written over theirs afterwards."""
         selected, layout = self.selected, self.layout
         if selected is None or not selected.numel() or not layout.chunk_spans:
-            return None
-        sel_pos = layout.cached_pos[selected]
-        change = fresh_keys[:, :, torch.searchsorted(self.active, sel_pos)] - key_layer[:, :, sel_pos]
-        return self.a.apply_rope(change.float(), self.cos[:, sel_pos].float(), -self.sin[:, sel_pos].float())
+            return
+        self.estimators = self.probes[torch.isin(self.probes, selected)] if self.probes.numel() else selected
+        if not self.estimators.numel():
+            return
+        pos = layout.cached_pos[self.estimators]
+        rows = torch.searchsorted(self.active, pos)
+        if self.key_correction:
+            change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
+            change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
+            self._shift_cached_keys(key_layer, self._stale_key_shift(key_layer, change))
+        if self.value_correction:
+            change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
+            shift = self.value_correction * self._chunk_means(change)
+            value_layer.index_add_(2, layout.cached_pos, shift.to(value_layer.dtype))
 
     def _stale_key_shift(self, key_layer: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
         """Each blendable cached token's estimated key change before RoPE: its chunk's mean ``change``."""
-        assert self.selected is not None
-        chunks = self.chunk_of[self.selected]
+        return self._chunk_means(change)
+
+    def _chunk_means(self, change: torch.Tensor) -> torch.Tensor:
+        """``change`` (``[1, kv_heads, estimators, head_dim]``) averaged over each chunk's estimating tokens,
+        one row per blendable cached token (a chunk with none: no change)."""
+        assert self.estimators is not None
+        chunks = self.chunk_of[self.estimators]
         n_chunks = len(self.layout.chunk_spans)
         totals = change.new_zeros(change.shape[0], change.shape[1], n_chunks, change.shape[3])
         totals.index_add_(2, chunks, change)
         counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1)
-        means = totals / counts.view(1, 1, -1, 1)  # a chunk with no recomputed token: no change
-        return means[:, :, self.chunk_of]
+        return (totals / counts.view(1, 1, -1, 1))[:, :, self.chunk_of]
 
     def _shift_cached_keys(self, key_layer: torch.Tensor, shift: torch.Tensor) -> None:
         """Add ``stale_key_correction`` times ``shift`` (before RoPE, one row per blendable cached token),

@@ -54,9 +54,18 @@ def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None 
     return calibration_dir(directory) / f"{fingerprint}.json"
 
 
-def key_correction_suffix(value: float) -> str:
-    """How a method's name says ``stale_key_correction``: ``+keyshift`` at 1, ``+keyshift0.5`` at 0.5, nothing at 0."""
-    return "" if not value else "+keyshift" if value == 1.0 else f"+keyshift{value:g}"
+PROBE_SHIFT_STRIDE = 20  # the probe stride ``+probeshift`` stands for when it names none
+
+
+def correction_suffix(key: float, value: float = 0.0, stride: int = 0) -> str:
+    """How a method's name says its stale K/V corrections: ``+keyshift`` (``stale_key_correction`` 1),
+    ``+keyshift0.5``; ``+probeshift`` (probes every 20 tokens, keys and values moved by their whole mean
+    change), ``+probeshift10``; other shares in brackets; nothing when there is no correction."""
+    if stride:
+        name = "+probeshift" + ("" if stride == PROBE_SHIFT_STRIDE else str(stride))
+        return name if (key, value) == (1.0, 1.0) else f"{name}(k{key:g},v{value:g})"
+    name = "" if not key else "+keyshift" if key == 1.0 else f"+keyshift{key:g}"
+    return name + (f"(v{value:g})" if value else "")
 
 
 def describe_config(config: BlendConfig, conditioned: bool = False) -> str:
@@ -65,7 +74,9 @@ def describe_config(config: BlendConfig, conditioned: bool = False) -> str:
     prefix = "+prefix" if conditioned else ""
     if config.recompute_ratio == 0:
         return f"full_reuse{prefix}"
-    return f"{config.selection}{prefix}{key_correction_suffix(config.stale_key_correction)}@{config.recompute_ratio:g}"
+    corrections = correction_suffix(config.stale_key_correction, config.stale_value_correction,
+                                    config.shift_probe_stride)
+    return f"{config.selection}{prefix}{corrections}@{config.recompute_ratio:g}"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -83,6 +83,17 @@ class SelectionContext:
             raise RuntimeError("this strategy reads the question's attention, but the engine did not provide it; "
                                "declare it in the strategy's `needs`")
         return self.query_attention()
+
+
+def probe_indices(chunk_spans: Sequence[tuple[int, int]], stride: int) -> torch.Tensor:
+    """Every ``stride``-th token of each chunk, from the middle of the first stride on (never a chunk's first
+    token, which a chunk computed alone makes a sink): the probes of ``BlendConfig.shift_probe_stride``, in
+    cached-token index space. ``stride`` 0: none."""
+    if not stride:
+        return torch.zeros(0, dtype=torch.long)
+    first = max(1, stride // 2)
+    return torch.tensor([i for start, end in chunk_spans for i in range(start + first, end, stride)],
+                        dtype=torch.long)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -195,6 +195,15 @@ class CacheBlendSettings(BaseModel):
         description="Share of each chunk's mean key change, seen by its recomputed tokens, added to its stale keys "
         "(0: keys as stored).",
     )
+    stale_value_correction: float = Field(
+        default=_DEFAULTS.stale_value_correction,
+        description="The same for values (0: values as stored); worth it with shift_probe_stride.",
+    )
+    shift_probe_stride: int = Field(
+        default=_DEFAULTS.shift_probe_stride,
+        description="Recompute every N-th token of each chunk as a probe, inside the budget, and estimate the two "
+        "corrections from the probes only (0: from every recomputed token).",
+    )
     min_blend_tokens: Optional[int] = Field(
         default=_DEFAULTS.min_blend_tokens,
         description="Prompts with fewer cached tokens are answered by full prefill (as fast there, and exact); None: "

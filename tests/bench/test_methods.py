@@ -114,3 +114,24 @@ def test_keyshift_sets_the_stale_key_correction_and_names_it_back():
 def test_a_bad_keyshift_says_what_is_wrong(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_methods(text, [0.15])
+
+
+def test_probeshift_sets_probes_and_both_corrections_and_names_them_back():
+    specs = parse_methods("cacheblend+probeshift@0.15,query_profiled+prefix+probeshift10@0.2", [0.3])
+    assert [s.name for s in specs] == ["cacheblend+probeshift@0.15", "query_profiled+prefix+probeshift10@0.2"]
+    configs = [s.blend_config(BlendConfig()) for s in specs]
+    assert [(c.shift_probe_stride, c.stale_key_correction, c.stale_value_correction) for c in configs] == [
+        (20, 1.0, 1.0), (10, 1.0, 1.0)]
+    assert specs[1].setting == "query_profiled+prefix+probeshift10@0.2"
+    assert parse_methods(specs[0].setting, [0.3])[0].blend_config(BlendConfig()) == configs[0]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("full_reuse+probeshift", "recomputes no chunk token"),
+    ("cacheblend+probeshift1@0.15", "probe stride of 2 or more"),
+    ("cacheblend+probeshiftx@0.15", "probe stride of 2 or more"),
+    ("cacheblend+keyshift+probeshift@0.15", "drop '\\+keyshift'"),
+])
+def test_a_bad_probeshift_says_what_is_wrong(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_methods(text, [0.15])
