@@ -123,6 +123,9 @@ class BlendConfig:
         the chunk's shared shift. ``0`` (default): no probes, the chosen tokens estimate it. On
         Qwen2.5-Coder-1.5B, 20 with both corrections at 1 recovers 65% of full reuse's KL at 0.15
         against plain CacheBlend's 15% (docs/quality.md, "Probe tokens").
+    shift_window:
+        Estimate the two corrections per window of this many tokens of each chunk rather than per
+        chunk: a long chunk's error drifts along it. ``0`` (default): one shift per chunk.
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:
@@ -153,6 +156,7 @@ class BlendConfig:
     stale_key_correction: float = 0.0
     stale_value_correction: float = 0.0
     shift_probe_stride: int = 0
+    shift_window: int = 0
     gate: bool = True
     gate_tolerance: float | None = None
     fallback_to_full_prefill: bool = False
@@ -179,6 +183,7 @@ class BlendConfig:
         _check_range("stale_key_correction", self.stale_key_correction, 0.0, 2.0)
         _check_range("stale_value_correction", self.stale_value_correction, 0.0, 2.0)
         _check_range("shift_probe_stride", self.shift_probe_stride, 0, 1_000_000, integer=True)
+        _check_range("shift_window", self.shift_window, 0, 1_000_000, integer=True)
         if self.shift_probe_stride == 1:
             raise ConfigError("shift_probe_stride=1 makes every chunk token a probe (nothing left to correct); "
                               "use 0 (no probes) or a stride of 2 or more, e.g. 20")

@@ -35,7 +35,8 @@ from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.calibrated import (CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config,
-                                              PROBE_SHIFT_STRIDE, correction_suffix)
+                                              PROBE_SHIFT_STRIDE, PROBE_SHIFT_WINDOW,
+                                              correction_suffix)
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.codec import STORAGE_DTYPES
@@ -48,7 +49,8 @@ PREFIX_SUFFIX = "+prefix"
 # mean change); ``+keyshift0.5`` for another share.
 KEYSHIFT_SUFFIX = "+keyshift"
 # Probe tokens every 20 tokens of each chunk (``+probeshift10``: every 10), whose mean K and V change moves the
-# chunk's stale keys and values (BlendConfig.shift_probe_stride with both corrections at 1).
+# stale keys and values of their window of 100 tokens (BlendConfig.shift_probe_stride, both corrections at 1,
+# shift_window 100).
 PROBESHIFT_SUFFIX = "+probeshift"
 # CacheBlend as published; shown under its own name rather than its selection's.
 CACHEBLEND = "cacheblend"
@@ -91,7 +93,7 @@ class MethodSpec:
             base = self.kind
         fields = dict(self.overrides)
         correction = correction_suffix(fields.get("stale_key_correction", 0.0), fields.get("stale_value_correction", 0.0),
-                                       fields.get("shift_probe_stride", 0))
+                                       fields.get("shift_probe_stride", 0), fields.get("shift_window", 0))
         return base + (PREFIX_SUFFIX if self.prefix_conditioned else "") + correction
 
     @property
@@ -198,7 +200,7 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
         overrides: tuple[tuple[str, Any], ...] = (("stale_key_correction", correction),) if correction else ()
         if probe_stride:
             overrides = (("shift_probe_stride", probe_stride), ("stale_key_correction", 1.0),
-                         ("stale_value_correction", 1.0))
+                         ("stale_value_correction", 1.0), ("shift_window", PROBE_SHIFT_WINDOW))
         if name == DEFAULT:
             if prefixed or pinned or storage:
                 raise ConfigError(f"--methods: {item!r}: default is the engine's own setting for the model, whole; "

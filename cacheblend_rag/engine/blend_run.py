@@ -100,10 +100,14 @@ class BlendRun:
         self.key_correction = cfg.stale_key_correction
         self.value_correction = cfg.stale_value_correction
         if self.key_correction or self.value_correction:
-            # each blendable cached token's chunk, an index into ``layout.chunk_spans``
+            # Each blendable cached token's shift group: its chunk, or its window of ``shift_window`` tokens
+            # of it (a long chunk's error drifts along it).
             self.chunk_of = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
-            for index, (start, end) in enumerate(layout.chunk_spans):
-                self.chunk_of[start:end] = index
+            self.shift_groups = 0
+            for start, end in layout.chunk_spans:
+                width = cfg.shift_window or (end - start)
+                self.chunk_of[start:end] = self.shift_groups + torch.arange(end - start) // width
+                self.shift_groups += -(-(end - start) // width)
         self.probes = probe_indices(layout.chunk_spans, cfg.shift_probe_stride).to(layout.cached_pos.device)
         self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
@@ -307,7 +311,7 @@ class BlendRun:
         one row per blendable cached token (a chunk with none: no change)."""
         assert self.estimators is not None
         chunks = self.chunk_of[self.estimators]
-        n_chunks = len(self.layout.chunk_spans)
+        n_chunks = self.shift_groups
         totals = change.new_zeros(change.shape[0], change.shape[1], n_chunks, change.shape[3])
         totals.index_add_(2, chunks, change)
         counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1)

@@ -55,17 +55,22 @@ def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None 
 
 
 PROBE_SHIFT_STRIDE = 20  # the probe stride ``+probeshift`` stands for when it names none
+PROBE_SHIFT_WINDOW = 100  # and the window each shift is estimated over
 
 
-def correction_suffix(key: float, value: float = 0.0, stride: int = 0) -> str:
+def correction_suffix(key: float, value: float = 0.0, stride: int = 0, window: int = 0) -> str:
     """How a method's name says its stale K/V corrections: ``+keyshift`` (``stale_key_correction`` 1),
     ``+keyshift0.5``; ``+probeshift`` (probes every 20 tokens, keys and values moved by their whole mean
-    change), ``+probeshift10``; other shares in brackets; nothing when there is no correction."""
+    change per window of 100 tokens), ``+probeshift10``; other shares and windows in brackets; nothing when
+    there is no correction."""
     if stride:
         name = "+probeshift" + ("" if stride == PROBE_SHIFT_STRIDE else str(stride))
-        return name if (key, value) == (1.0, 1.0) else f"{name}(k{key:g},v{value:g})"
+        extras = [] if (key, value) == (1.0, 1.0) else [f"k{key:g}", f"v{value:g}"]
+        extras += [] if window == PROBE_SHIFT_WINDOW else [f"w{window}"]
+        return name + (f"({','.join(extras)})" if extras else "")
     name = "" if not key else "+keyshift" if key == 1.0 else f"+keyshift{key:g}"
-    return name + (f"(v{value:g})" if value else "")
+    extras = ([f"v{value:g}"] if value else []) + ([f"w{window}"] if window and (key or value) else [])
+    return name + (f"({','.join(extras)})" if extras else "")
 
 
 def describe_config(config: BlendConfig, conditioned: bool = False) -> str:
@@ -75,7 +80,7 @@ def describe_config(config: BlendConfig, conditioned: bool = False) -> str:
     if config.recompute_ratio == 0:
         return f"full_reuse{prefix}"
     corrections = correction_suffix(config.stale_key_correction, config.stale_value_correction,
-                                    config.shift_probe_stride)
+                                    config.shift_probe_stride, config.shift_window)
     return f"{config.selection}{prefix}{corrections}@{config.recompute_ratio:g}"
 
 

@@ -204,6 +204,10 @@ class CacheBlendSettings(BaseModel):
         description="Recompute every N-th token of each chunk as a probe, inside the budget, and estimate the two "
         "corrections from the probes only (0: from every recomputed token).",
     )
+    shift_window: int = Field(
+        default=_DEFAULTS.shift_window,
+        description="Estimate the corrections per window of this many tokens of each chunk (0: per chunk).",
+    )
     min_blend_tokens: Optional[int] = Field(
         default=_DEFAULTS.min_blend_tokens,
         description="Prompts with fewer cached tokens are answered by full prefill (as fast there, and exact); None: "

@@ -6,6 +6,7 @@ import pytest
 
 from cacheblend_rag.bench.methods import MethodSpec, parse_methods, parse_ratios, with_references
 from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.calibrated import describe_config
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 
@@ -120,10 +121,13 @@ def test_probeshift_sets_probes_and_both_corrections_and_names_them_back():
     specs = parse_methods("cacheblend+probeshift@0.15,query_profiled+prefix+probeshift10@0.2", [0.3])
     assert [s.name for s in specs] == ["cacheblend+probeshift@0.15", "query_profiled+prefix+probeshift10@0.2"]
     configs = [s.blend_config(BlendConfig()) for s in specs]
-    assert [(c.shift_probe_stride, c.stale_key_correction, c.stale_value_correction) for c in configs] == [
-        (20, 1.0, 1.0), (10, 1.0, 1.0)]
+    assert [(c.shift_probe_stride, c.stale_key_correction, c.stale_value_correction, c.shift_window)
+            for c in configs] == [(20, 1.0, 1.0, 100), (10, 1.0, 1.0, 100)]
     assert specs[1].setting == "query_profiled+prefix+probeshift10@0.2"
     assert parse_methods(specs[0].setting, [0.3])[0].blend_config(BlendConfig()) == configs[0]
+    whole_chunk = BlendConfig(selection="kv_deviation", recompute_ratio=0.15, shift_probe_stride=20,
+                              stale_key_correction=1.0, stale_value_correction=0.5)
+    assert describe_config(whole_chunk) == "kv_deviation+probeshift(k1,v0.5,w0)@0.15"
 
 
 @pytest.mark.parametrize("text, message", [

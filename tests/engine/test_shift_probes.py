@@ -109,7 +109,34 @@ def test_recomputing_everything_with_probes_is_full_prefill(blend_inputs):
     (dict(shift_probe_stride=2.5, stale_key_correction=1.0), "shift_probe_stride"),
     (dict(shift_probe_stride=1, stale_key_correction=1.0), "stride of 2 or more"),
     (dict(shift_probe_stride=20), "set stale_key_correction and/or stale_value_correction"),
+    (dict(shift_window=-3), "shift_window"),
 ])
 def test_bad_values_are_refused_by_name(fields, message):
     with pytest.raises(ConfigError, match=message):
         BlendConfig(**fields)
+
+
+def test_a_window_as_wide_as_the_chunk_is_the_chunk_and_narrower_windows_shift_apart(blend_inputs):
+    engine, segments = blend_inputs
+    config = BlendConfig(recompute_ratio=0.4, selection="kv_deviation", gate=False, **PROBED)
+    whole = engine.blend(segments, config=config)
+    wide = engine.blend(segments, config=config.with_overrides(shift_window=10_000))
+    assert torch.equal(whole.logits, wide.logits)
+    narrow = engine.blend(segments, config=config.with_overrides(shift_window=8))
+    layer, start = 3, len(segments[0].token_ids)
+    chosen = set(narrow.stats.selected_positions)
+    stored_v = segments[1].chunk.values[layer]
+    values = narrow.cache.layers[layer].values[0]
+    probes = probe_indices([(0, len(segments[1].token_ids))], 4).tolist()
+    checked = 0
+    for window_start in range(0, len(segments[1].token_ids), 8):  # each window moves by its own probes' mean
+        window = range(window_start, min(window_start + 8, len(segments[1].token_ids)))
+        mine = [i for i in probes if i in window]
+        stale = [i for i in window if start + i not in chosen]
+        if not mine or not stale:
+            continue
+        change = (values[:, [start + i for i in mine]] - stored_v[:, mine]).mean(dim=1, keepdim=True)
+        torch.testing.assert_close(values[:, [start + i for i in stale]] - stored_v[:, stale],
+                                   change.expand(-1, len(stale), -1), rtol=1e-4, atol=1e-5)
+        checked += 1
+    assert checked >= 2
