@@ -15,8 +15,10 @@ bound can be explained. The bound (:mod:`cacheblend_rag.bench.bound`) is worked 
 loaded model's config: CacheBlend as published at ``--ratio``, and each method's own.
 
 ``--methods`` picks among ``full_prefill``, ``full_reuse``, ``cacheblend`` (``cacheblend@RATIO``),
-``cacheblend+keyshift`` (the same with ``stale_key_correction=1``),
-``query_profiled`` (the built-in default's selection at ``--ratio``, reported as ``default@RATIO``)
+``cacheblend+keyshift`` (the same with ``stale_key_correction=1``), ``cacheblend+probeshift`` (probe tokens,
+the harness's ``+probeshift``),
+``query_profiled`` (the built-in default's selection at ``--ratio``, reported as ``default@RATIO``; a blend
+named ``NAME@RATIO`` runs at its own ratio)
 and ``default``: whatever the engine uses for the loaded model when given no setting, the setting
 ``cacheblend-rag calibrate`` saved for it or the built-in one, reported with its name and source
 (its chunks are computed alone here, as every method's: a calibration's prefix conditioning
@@ -44,35 +46,44 @@ from bench_engine import DEFAULT_DATA, build_prompt, git_commit, machine, passag
 from bench_store import Mode, run_interleaved
 from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.bench.methods import parse_methods
 from cacheblend_rag.engine.calibrated import describe_config
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 
 DEFAULT_TARGET = 3.5  # issue 23: the default at 0.15, ~3,000 tokens, 1.5B model, from the disk store
-METHODS = ("full_prefill", "full_reuse", "cacheblend", "cacheblend+keyshift", "query_profiled", "default")
+METHODS = ("full_prefill", "full_reuse", "cacheblend", "cacheblend+keyshift", "cacheblend+probeshift", "query_profiled",
+           "default")
 DEFAULT_METHODS = "full_prefill,full_reuse,cacheblend,query_profiled"
 
 
 def method_configs(ratio: float, methods: str = DEFAULT_METHODS,
                    engine: CacheBlendEngine | None = None) -> dict[str, BlendConfig | None]:
-    """The methods by name (``None``: full prefill). The short-prompt fallback is off: this bench
-    times the blend itself, and a smoke run's prompt is short. ``default`` needs the ``engine``."""
-    every = {
-        "full_prefill": ("full_prefill", None),
-        "full_reuse": ("full_reuse", BlendConfig(recompute_ratio=0.0, min_blend_tokens=0)),
-        "cacheblend": (f"cacheblend@{ratio:g}",
-                       BlendConfig(recompute_ratio=ratio, selection="kv_deviation", min_blend_tokens=0)),
-        "cacheblend+keyshift": (f"cacheblend+keyshift@{ratio:g}",
-                                BlendConfig(recompute_ratio=ratio, selection="kv_deviation", stale_key_correction=1.0,
-                                            min_blend_tokens=0)),
-        "query_profiled": (f"default@{ratio:g}", BlendConfig(recompute_ratio=ratio, min_blend_tokens=0)),
-    }
-    if engine is not None:
-        every["default"] = ("default", engine.default_config().with_overrides(min_blend_tokens=0))
+    """The methods by name (``None``: full prefill); a blend named ``NAME@RATIO`` runs at that ratio instead
+    of ``ratio``. The short-prompt fallback is off: this bench times the blend itself, and a smoke run's
+    prompt is short. ``default`` needs the ``engine``."""
     configs: dict[str, BlendConfig | None] = {}
     for item in (m.strip() for m in methods.split(",") if m.strip()):
-        if item not in every:
-            raise SystemExit(f"--methods: unknown method {item!r}; choose from {', '.join(METHODS)}")
-        name, cfg = every[item]
+        base, _, pinned = item.partition("@")
+        r = float(pinned) if pinned else ratio
+        every = {
+            "full_prefill": ("full_prefill", None),
+            "full_reuse": ("full_reuse", BlendConfig(recompute_ratio=0.0, min_blend_tokens=0)),
+            "cacheblend": (f"cacheblend@{r:g}",
+                           BlendConfig(recompute_ratio=r, selection="kv_deviation", min_blend_tokens=0)),
+            "cacheblend+keyshift": (f"cacheblend+keyshift@{r:g}",
+                                    BlendConfig(recompute_ratio=r, selection="kv_deviation", stale_key_correction=1.0,
+                                                min_blend_tokens=0)),
+            "cacheblend+probeshift": (f"cacheblend+probeshift@{r:g}",  # as the harness's --methods spells it
+                                      parse_methods(f"cacheblend+probeshift@{r:g}", [r])[0].blend_config(
+                                          BlendConfig(min_blend_tokens=0))),
+            "query_profiled": (f"default@{r:g}", BlendConfig(recompute_ratio=r, min_blend_tokens=0)),
+        }
+        if engine is not None:
+            every["default"] = ("default", engine.default_config().with_overrides(min_blend_tokens=0))
+        if base not in every or (pinned and base in ("full_prefill", "full_reuse", "default")):
+            raise SystemExit(f"--methods: unknown method {item!r}; choose from {', '.join(METHODS)}, a blend "
+                             "optionally with @RATIO")
+        name, cfg = every[base]
         configs[name] = cfg
     if "full_prefill" not in configs:  # every speedup is relative to it
         configs = {"full_prefill": None, **configs}

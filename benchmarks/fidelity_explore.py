@@ -470,8 +470,8 @@ def report(args: argparse.Namespace) -> None:
         for m in complete:
             x, y = estimated_speedup(m["method"], shapes), 100 * m["recovery"]
             ax.scatter(x, y, color="tab:red" if m["worse"] else "tab:blue")
-            ax.annotate(f"{m['method']} ({m['worse']} worse)", (x, y), textcoords="offset points", xytext=(4, 2),
-                        fontsize=7)
+            ax.annotate(f"{_short(m['method'])} ({m['worse']} worse)", (x, y), textcoords="offset points",
+                        xytext=(4, 2), fontsize=7)
         ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
         ax.axvline(3.5, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
@@ -482,6 +482,14 @@ def report(args: argparse.Namespace) -> None:
         fig.tight_layout()
         fig.savefig(args.plot)
         print(f"\nplot written to {args.plot}")
+
+
+def _short(method: str) -> str:
+    """A method's name for a plot label: the long option names abbreviated."""
+    for long, short in (("shift_probe_stride=", "probes"), ("stale_key_correction=", "k"),
+                        ("stale_value_correction=", "v"), ("shift_window=", "w")):
+        method = method.replace(long, short)
+    return method
 
 
 def main(argv: list[str] | None = None) -> None:

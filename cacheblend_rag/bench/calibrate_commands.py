@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--cost", choices=("work", "ttft"), default="work",
                         help="what 'cheapest' means: layer-units computed (deterministic) or measured TTFT")
     target.add_argument("--candidates", default=None,
-                        help="comma-separated settings as bench --methods writes them (NAME[+prefix]@RATIO), e.g. "
+                        help="comma-separated settings as bench --methods writes them "
+                             "(NAME[+prefix][+keyshift|+probeshift]@RATIO), e.g. "
                              "'kv_deviation@0.15,query_profiled+prefix@0.15'; default: " + ",".join(DEFAULT_CANDIDATES))
     target.add_argument("--teacher-tokens", type=int, default=16,
                         help="tokens of full prefill's answer the KL is measured along")

@@ -64,8 +64,8 @@ logger = logging.getLogger(__name__)
 CostKind = Literal["work", "ttft"]
 STATE_FORMAT = "cacheblend-rag-calibration-state"
 
-# The grid measured when the user names none; the lead edits it as research moves on. Each item
-# is a ``--methods`` item (NAME[+prefix][+keyshift]@RATIO). ``query_profiled+prefix`` is the integrations'
+# The grid measured when the user names none; the lead edits it as research moves on. Each item is a
+# ``--methods`` item (NAME[+prefix][+keyshift|+probeshift]@RATIO). ``query_profiled+prefix`` is the integrations'
 # built-in default (chunks computed behind the prompt's lead); ``kv_deviation`` is CacheBlend as
 # published, chunks computed alone. ``+keyshift0.5`` (half the stale key correction) is left out: it
 # helped Qwen2.5-Coder-1.5B at 100-token passages and hurt it at 300 (docs/quality.md, "The key correction

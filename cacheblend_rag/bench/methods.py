@@ -92,7 +92,8 @@ class MethodSpec:
         else:
             base = self.kind
         fields = dict(self.overrides)
-        correction = correction_suffix(fields.get("stale_key_correction", 0.0), fields.get("stale_value_correction", 0.0),
+        correction = correction_suffix(fields.get("stale_key_correction", 0.0),
+                                       fields.get("stale_value_correction", 0.0),
                                        fields.get("shift_probe_stride", 0), fields.get("shift_window", 0))
         return base + (PREFIX_SUFFIX if self.prefix_conditioned else "") + correction
 
@@ -191,7 +192,8 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
         if name not in allowed:
             raise ConfigError(
                 f"--methods: unknown method {item!r}; choose from {', '.join(allowed)} or 'all', "
-                f"optionally with '{PREFIX_SUFFIX}', '{KEYSHIFT_SUFFIX}' or '{PROBESHIFT_SUFFIX}' and '@RATIO' (e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
+                f"optionally with '{PREFIX_SUFFIX}', '{KEYSHIFT_SUFFIX}' or '{PROBESHIFT_SUFFIX}' and '@RATIO' "
+                f"(e.g. cacheblend{PREFIX_SUFFIX}@0.15)"
             )
         if (correction or probe_stride) and name in (*_BASELINES, DEFAULT):
             suffix = PROBESHIFT_SUFFIX if probe_stride else KEYSHIFT_SUFFIX
@@ -259,7 +261,8 @@ def _probe_shift(name: str, item: str) -> tuple[str, int]:
         BlendConfig(shift_probe_stride=stride, stale_key_correction=1.0, stale_value_correction=1.0)
     except (ValueError, ConfigError):
         raise ConfigError(f"--methods: {item!r}: '{PROBESHIFT_SUFFIX}{digits}' wants a probe stride of 2 or more "
-                          f"after it, or none for {PROBE_SHIFT_STRIDE} (e.g. cacheblend{PROBESHIFT_SUFFIX}@0.15)") from None
+                          f"after it, or none for {PROBE_SHIFT_STRIDE} "
+                          f"(e.g. cacheblend{PROBESHIFT_SUFFIX}@0.15)") from None
     return head + rest[len(digits):], stride
 
 
