@@ -106,7 +106,8 @@ class BlendRun:
             self.shift_groups = 0
             for start, end in layout.chunk_spans:
                 width = cfg.shift_window or (end - start)
-                self.chunk_of[start:end] = self.shift_groups + torch.arange(end - start) // width
+                offsets = torch.arange(end - start, device=self.chunk_of.device)
+                self.chunk_of[start:end] = self.shift_groups + offsets // width
                 self.shift_groups += -(-(end - start) // width)
         self.probes = probe_indices(layout.chunk_spans, cfg.shift_probe_stride).to(layout.cached_pos.device)
         self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
