@@ -235,27 +235,35 @@ def parse_methods(text: str, ratios: Sequence[float], prefix_conditioned: Prefix
     return unique
 
 
-def _key_correction(name: str, item: str) -> tuple[str, float]:
-    """``name`` without its ``+keyshift[VALUE]`` (anywhere after the strategy), and the correction it asks for."""
-    head, found, rest = name.partition(KEYSHIFT_SUFFIX)
+def _suffix_argument(name: str, suffix: str) -> tuple[str, str | None]:
+    """``name`` without ``suffix`` and the argument written after it (``""`` when bare; ``None`` when the
+    suffix is absent), wherever after the strategy the suffix stands."""
+    head, found, rest = name.partition(suffix)
     if not found:
+        return name, None
+    argument = rest.split("+", 1)[0]
+    return head + rest[len(argument):], argument
+
+
+def _key_correction(name: str, item: str) -> tuple[str, float]:
+    """``name`` without its ``+keyshift[VALUE]``, and the correction it asks for (0: none)."""
+    name, digits = _suffix_argument(name, KEYSHIFT_SUFFIX)
+    if digits is None:
         return name, 0.0
-    digits = rest.split("+", 1)[0]
     try:
         value = float(digits) if digits else 1.0
         BlendConfig(stale_key_correction=value)
     except (ValueError, ConfigError):
         raise ConfigError(f"--methods: {item!r}: '{KEYSHIFT_SUFFIX}{digits}' wants a share in [0, 2] after it, or "
                           f"none for 1 (e.g. cacheblend{KEYSHIFT_SUFFIX}@0.15)") from None
-    return head + rest[len(digits):], value
+    return name, value
 
 
 def _probe_shift(name: str, item: str) -> tuple[str, int]:
     """``name`` without its ``+probeshift[STRIDE]``, and the probe stride it asks for (0: none)."""
-    head, found, rest = name.partition(PROBESHIFT_SUFFIX)
-    if not found:
+    name, digits = _suffix_argument(name, PROBESHIFT_SUFFIX)
+    if digits is None:
         return name, 0
-    digits = rest.split("+", 1)[0]
     try:
         stride = int(digits) if digits else PROBE_SHIFT_STRIDE
         BlendConfig(shift_probe_stride=stride, stale_key_correction=1.0, stale_value_correction=1.0)
@@ -263,7 +271,7 @@ def _probe_shift(name: str, item: str) -> tuple[str, int]:
         raise ConfigError(f"--methods: {item!r}: '{PROBESHIFT_SUFFIX}{digits}' wants a probe stride of 2 or more "
                           f"after it, or none for {PROBE_SHIFT_STRIDE} "
                           f"(e.g. cacheblend{PROBESHIFT_SUFFIX}@0.15)") from None
-    return head + rest[len(digits):], stride
+    return name, stride
 
 
 def resolve_default(spec: MethodSpec, engine: Any) -> MethodSpec:

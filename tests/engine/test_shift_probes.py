@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
 from cacheblend_rag.engine.selection import probe_indices
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.testing import tiny_engine
 
 TEXTS = ["Marie Curie was a physicist and chemist who won two Nobel prizes for her research on radioactivity.",
          "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean near the equator.",
@@ -21,12 +19,9 @@ PROBED = dict(shift_probe_stride=4, stale_key_correction=1.0, stale_value_correc
 
 
 @pytest.fixture(scope="module")
-def blend_inputs():
-    engine = tiny_engine("qwen2")
-    chunks = engine.prefill_chunks([engine.tokenize(t) for t in TEXTS])
-    segments = [FreshSegment(engine.tokenize("Passages:\n")), *map(CachedSegment, chunks),
-                FreshSegment(engine.tokenize("Question: who won two Nobel prizes?"))]
-    return engine, segments
+def blend_inputs(passages_prompt):
+    engine, segments = passages_prompt
+    return engine, segments(TEXTS)
 
 
 def test_probes_are_evenly_spaced_and_never_a_chunks_first_token():

@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
-from cacheblend_rag.testing import tiny_engine
 
 TEXTS = ["Marie Curie was a physicist and chemist who won two Nobel prizes.",
          "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
@@ -18,12 +16,9 @@ TEXTS = ["Marie Curie was a physicist and chemist who won two Nobel prizes.",
 
 
 @pytest.fixture(scope="module")
-def blend_inputs():
-    engine = tiny_engine("qwen2")
-    chunks = engine.prefill_chunks([engine.tokenize(t) for t in TEXTS])
-    segments = [FreshSegment(engine.tokenize("Passages:\n")), *map(CachedSegment, chunks),
-                FreshSegment(engine.tokenize("Question: who won two Nobel prizes?"))]
-    return engine, segments
+def blend_inputs(passages_prompt):
+    engine, segments = passages_prompt
+    return engine, segments(TEXTS)
 
 
 @pytest.mark.parametrize("selection", ["kv_deviation", "query_profiled"])
