@@ -15,7 +15,8 @@ harness does (:mod:`cacheblend_rag.bench.harness`: same prompts, same stores, sa
 
 The chosen setting is the cheapest that meets the target (recovery at least ``target.recovery``
 and at most ``target.allow_worse`` prompts worse than full reuse). When none does, that is said
-(``target_met`` false, ``message``) and the best measured one (lowest KL) is chosen. The result is
+(``target_met`` false, ``message``) and the best measured one (lowest KL) is chosen, or full reuse when it is
+closer to full prefill than every affordable candidate. The result is
 saved per model fingerprint (:mod:`cacheblend_rag.engine.calibrated`), where the engine and the
 integrations find it.
 
@@ -504,6 +505,15 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
     if meeting:
         chosen, met = meeting[0], True
         message = f"target met ({want}{ceiling}): {chosen.name} is the cheapest setting that meets it"
+    elif within and full_reuse.kl < min(r.kl for r in within):
+        # Blending that moves the answer further than reusing the chunks as they are is worse than no blend.
+        best = min(within, key=lambda r: r.kl)
+        chosen, met = full_reuse, False
+        message = (f"target NOT reached: no candidate setting gives {want}{ceiling}, and every one"
+                   f"{' within the cost ceiling' if ceiling else ''} is further from full prefill than full reuse "
+                   f"(KL {full_reuse.kl:.4g}; the best candidate, {best.name}, {best.kl:.4g}). Full reuse is used "
+                   "instead; widen the grid (higher ratios), lower the target" +
+                   (" or raise the ceiling" if ceiling else ""))
     elif within:
         chosen, met = min(within, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
         message = (f"target NOT reached: no candidate setting gives {want}{ceiling}. The best measured setting"

@@ -112,6 +112,26 @@ def test_an_unreachable_target_is_said_plainly_and_the_best_setting_is_used(engi
     assert engine.calibration().name == result.chosen.name
 
 
+def test_full_reuse_is_chosen_when_every_candidate_is_further_from_full_prefill(engine, prompts, measured, tmp_path):
+    _, state = measured
+    document = json.loads(state.read_text())
+    for entry in document["prompts"].values():  # every blend made worse than full reuse on every prompt
+        reuse_kl = entry["methods"]["full_reuse"]["kl"]
+        for key, measurement in entry["methods"].items():
+            if key != "full_reuse":
+                measurement["kl"] = reuse_kl + 1.0
+    worse = tmp_path / "worse.json"
+    worse.write_text(json.dumps(document))
+    prompts_before = len(document["prompts"])
+    result = calibrate(engine, prompts, CANDIDATES, progress=False, state_path=worse)
+    assert len(json.loads(worse.read_text())["prompts"]) == prompts_before  # measured nothing again
+    assert not result.target_met and result.chosen is result.full_reuse
+    assert "Full reuse is used" in result.message and "further from full prefill than full reuse" in result.message
+    result.save()
+    assert engine.calibration().name == "full_reuse"
+    assert engine.default_config().recompute_ratio == 0.0
+
+
 def test_a_cost_ceiling_is_never_crossed_met_or_not(engine, prompts, measured):
     _, state = measured
     free = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=1.01), progress=False, state_path=state)
