@@ -122,10 +122,12 @@ class BlendConfig:
         Probes are fixed before any evidence is seen, so their mean change is an unbiased estimate of
         the chunk's shared shift. ``0`` (default): no probes, the chosen tokens estimate it. On
         Qwen2.5-Coder-1.5B, 20 with both corrections at 1 recovers 65% of full reuse's KL at 0.15
-        against plain CacheBlend's 15% (docs/quality.md, "Probe tokens").
+        against plain CacheBlend's 15% on 13 questions, but four held-out prompts did not confirm it
+        (docs/quality.md, "Probe tokens"); measure it on your prompts (``cacheblend-rag calibrate``).
     shift_window:
         Estimate the two corrections per window of this many tokens of each chunk rather than per
-        chunk: a long chunk's error drifts along it. ``0`` (default): one shift per chunk.
+        chunk, for long chunks whose error drifts along them (windows of 100 did better than whole
+        300-token chunks on five questions). ``0`` (default): one shift per chunk.
     gate:
         Run the one-time correctness gate (ratio 1.0 against full prefill) per model.
     fallback_to_full_prefill:
