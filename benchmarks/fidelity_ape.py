@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 
 from cacheblend_rag.engine import attention as engine_attention
+from fidelity_oracle import attribute_replaced  # noqa: E402  (benchmarks/ on sys.path)
 
 _STATE: dict[str, Any] = {}
 _NAME = "ape_research"
@@ -91,12 +92,8 @@ AttentionInterface.register(_NAME, _hf_attention)
 def _swapped(owner: Any, attribute: str, value: Any, **state: Any) -> Iterator[None]:
     """``owner.attribute`` set to ``value``, and ``state`` kept for the hooks, until the block ends."""
     _STATE.update(state)
-    before = getattr(owner, attribute)
-    setattr(owner, attribute, value)
-    try:
+    with attribute_replaced(owner, attribute, value):
         yield
-    finally:
-        setattr(owner, attribute, before)
 
 
 def ape_blend(context_positions: torch.Tensor, prompt_length: int, setting: ApeSetting):

@@ -30,9 +30,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cacheblend_rag.engine.blend_run import BlendRun
-from fidelity_oracle import _replaced  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_oracle import attribute_replaced, chunk_means  # noqa: E402  (benchmarks/ on sys.path)
 
 FEATURES = ("key", "key+dev", "dev", "bias")
+CHECK_LAYER = 1  # CacheBlend's, where a blend computes every token: the ``dev`` feature's layer
 KEYMAP_OPTIONS = ("keymap", "keymap_scale", "keymap_dir")  # the research loop's ;keymap=KIND[;keymap_scale=S]
 
 
@@ -75,16 +76,14 @@ def collect(args: argparse.Namespace) -> None:
         print(f"q{q}: {n} chunk tokens", flush=True)
 
 
-def features(d, layer: int, kind: str, check_layer: int = 1, dev_given: bool = False) -> torch.Tensor:
-    """``[heads, tokens, f]`` for one layer: what a blend holds for each stale token, and a constant.
-    ``dev_given``: ``d["full"][check_layer]`` is already the check layer's change."""
-    parts = []
-    if "key" in kind.split("+"):
-        parts.append(d["stale"][layer])
-    if "dev" in kind.split("+"):
-        parts.append(d["full"][check_layer] if dev_given else d["full"][check_layer] - d["stale"][check_layer])
-    heads, n = d["stale"][layer].shape[0], d["stale"][layer].shape[1]
-    first = (d["offset"] == 0).float().view(1, n, 1).expand(heads, n, 1)  # a chunk's first token: a sink alone
+def features(stale: torch.Tensor, dev: torch.Tensor, offset: torch.Tensor, kind: str) -> torch.Tensor:
+    """``[heads, tokens, f]``: what a blend holds for each stale token of one layer (its stale key ``stale``,
+    its key's change at the check layer ``dev``, both ``[heads, tokens, d]`` before RoPE, as ``kind`` names
+    them), whether it is its chunk's first token (a sink when the chunk is computed alone), and a constant."""
+    names = kind.split("+")
+    parts = [x for name, x in (("key", stale), ("dev", dev)) if name in names]
+    heads, n = stale.shape[0], stale.shape[1]
+    first = (offset == 0).float().view(1, n, 1).expand(heads, n, 1)
     parts += [first, torch.ones(heads, n, 1)]
     return torch.cat(parts, dim=-1).double()
 
@@ -104,11 +103,13 @@ def fit(args: argparse.Namespace) -> None:
         # a chunk's first tokens are a sink when it is computed alone and every selector recomputes them
         keep = [d["offset"] >= args.skip_first for d in data]
         row = {}
-        left = sum(float((e - _chunk_mean(e, d["chunk_of"]))[:, k].pow(2).sum()) for e, d, k in zip(errors, data, keep))
+        left = sum(float((e - chunk_means(e, d["chunk_of"].long(), int(d["chunk_of"].max()) + 1))[:, k].pow(2).sum())
+                   for e, d, k in zip(errors, data, keep))
         total = sum(float(e[:, k].pow(2).sum()) for e, k in zip(errors, keep))
         row["mean"] = (left, total)
         for kind in kinds:
-            xs = [features(d, layer, kind)[:, k] for d, k in zip(data, keep)]
+            xs = [features(d["stale"][layer], d["full"][CHECK_LAYER] - d["stale"][CHECK_LAYER], d["offset"],
+                           kind)[:, k] for d, k in zip(data, keep)]
             es = [e[:, k] for e, k in zip(errors, keep)]
             gram = [x.transpose(1, 2) @ x for x in xs]
             cross = [x.transpose(1, 2) @ e for x, e in zip(xs, es)]
@@ -164,23 +165,16 @@ def keymap_blend(weights: torch.Tensor, kind: str, scale: float = 1.0) -> Abstra
             return key_layer, value_layer
         pos, offset = chunk_tokens(self)
         stale = ~torch.isin(pos, self.active) & (offset > 0)  # the fit left chunks' first tokens out
-        held = {"stale": {layer: unrotated(self, key_layer, pos)[0]}, "full": {1: self._keymap_dev}, "offset": offset}
-        shift = (features(held, layer, kind, dev_given=True).float() @ weights[layer]).unsqueeze(0)
+        x = features(unrotated(self, key_layer, pos)[0], self._keymap_dev, offset, kind)
+        shift = (x.float() @ weights[layer]).unsqueeze(0)
         rotated = self.a.apply_rope(shift, self.cos[:, pos].float(), self.sin[:, pos].float())
         key_layer[:, :, pos[stale]] += (scale * rotated[:, :, stale]).to(key_layer.dtype)
         return key_layer, value_layer
 
     stack = ExitStack()
-    stack.enter_context(_replaced("_choose_at_check_layer", check))
-    stack.enter_context(_replaced("_patched_layer", patched))
+    stack.enter_context(attribute_replaced(BlendRun, "_choose_at_check_layer", check))
+    stack.enter_context(attribute_replaced(BlendRun, "_patched_layer", patched))
     return stack
-
-
-def _chunk_mean(error: torch.Tensor, chunk_of: torch.Tensor) -> torch.Tensor:
-    n = int(chunk_of.max()) + 1
-    sums = error.new_zeros(error.shape[0], n, error.shape[2]).index_add_(1, chunk_of.long(), error)
-    counts = torch.bincount(chunk_of.long(), minlength=n).clamp(min=1).view(1, -1, 1)
-    return (sums / counts)[:, chunk_of.long()]
 
 
 def main(argv: list[str] | None = None) -> None:

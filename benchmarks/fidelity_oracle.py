@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -52,7 +52,7 @@ class OracleSetting:
         return cls(mode, int(first), int(last or first))
 
 
-def _chunk_means(diff: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> torch.Tensor:
+def chunk_means(diff: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> torch.Tensor:
     """``diff`` ``[heads, tokens, d]``, ``chunk_of`` ``[tokens]``: each token's chunk mean of ``diff``."""
     totals = diff.new_zeros(diff.shape[0], n_chunks, diff.shape[2])
     totals.index_add_(1, chunk_of, diff)
@@ -81,25 +81,25 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         else:
             cos, sin = run.cos[:, pos].float(), run.sin[:, pos].float()
             diff = run.a.apply_rope((target - cur).unsqueeze(0), cos, -sin)[0]
-            shift = run.a.apply_rope(_chunk_means(diff, chunk_of, len(layout.chunk_spans)).unsqueeze(0), cos, sin)[0]
+            shift = run.a.apply_rope(chunk_means(diff, chunk_of, len(layout.chunk_spans)).unsqueeze(0), cos, sin)[0]
             new = cur + shift
         key_layer[0, :, pos] = new.to(key_layer.dtype)
     if "v" in setting.mode.split("_")[0]:
         cur = value_layer[0, :, pos].float()
         target = ref_v[:, pos].float()
-        new = target if full else cur + _chunk_means(target - cur, chunk_of, len(layout.chunk_spans))
+        new = target if full else cur + chunk_means(target - cur, chunk_of, len(layout.chunk_spans))
         value_layer[0, :, pos] = new.to(value_layer.dtype)
 
 
 @contextmanager
-def _replaced(name: str, replacement) -> Iterator[None]:
-    """``BlendRun.<name>`` is ``replacement`` while active."""
-    original = getattr(BlendRun, name)
-    setattr(BlendRun, name, replacement)
+def attribute_replaced(owner: Any, attribute: str, value: Any) -> Iterator[None]:
+    """``owner.attribute`` is ``value`` while active (the research patches of ``BlendRun`` and APE's)."""
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, value)
     try:
         yield
     finally:
-        setattr(BlendRun, name, original)
+        setattr(owner, attribute, original)
 
 
 def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: OracleSetting) -> AbstractContextManager[None]:
@@ -111,7 +111,7 @@ def oracle_blend(reference: list[tuple[torch.Tensor, torch.Tensor]], setting: Or
         correct(self, layer, key_layer, value_layer, reference, setting)
         return key_layer, value_layer
 
-    return _replaced("_patched_layer", patched)
+    return attribute_replaced(BlendRun, "_patched_layer", patched)
 
 
 def key_correction_layers(first: int, last: int) -> AbstractContextManager[None]:
@@ -124,7 +124,7 @@ def key_correction_layers(first: int, last: int) -> AbstractContextManager[None]
         self.key_correction = full if first <= layer <= last else 0.0
         return original(self, layer, k, v)
 
-    return _replaced("_patched_layer", patched)
+    return attribute_replaced(BlendRun, "_patched_layer", patched)
 
 
 def local_key_correction(tau: float) -> AbstractContextManager[None]:
@@ -139,7 +139,7 @@ def local_key_correction(tau: float) -> AbstractContextManager[None]:
         weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1e-30)
         return torch.einsum("ts,bhsd->bhtd", weights, change)
 
-    return _replaced("_stale_key_shift", local_shift)
+    return attribute_replaced(BlendRun, "_stale_key_shift", local_shift)
 
 
 def affine_key_correction() -> AbstractContextManager[None]:
@@ -169,4 +169,4 @@ def affine_key_correction() -> AbstractContextManager[None]:
         b = mean_change - a * mean_key
         return a * stale_keys + b[:, :, self.chunk_of]
 
-    return _replaced("_stale_key_shift", affine_shift)
+    return attribute_replaced(BlendRun, "_stale_key_shift", affine_shift)
