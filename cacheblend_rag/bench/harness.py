@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -749,8 +749,16 @@ def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,
             len(o.methods) == len(runner.specs) for o in outcomes)
 
     def partial(outcomes: list[ExampleOutcome]) -> None:
-        if on_partial is not None:
-            on_partial({**document(outcomes), "partial": not finished(outcomes)})
+        if on_partial is None:
+            return
+        # A resumed run's questions not reached yet are written as they were: a run stopped midway must
+        # not leave a file that has lost them (resuming it would measure them all again).
+        reached = {o.index for o in outcomes}
+        names = {spec.name for spec in runner.specs}
+        waiting = [replace(o, methods={name: m for name, m in o.methods.items() if name in names})
+                   for index, o in (previous or {}).items() if index not in reached]
+        written = sorted([*outcomes, *waiting], key=lambda o: o.index)
+        on_partial({**document(written), "partial": not finished(outcomes)})
 
     outcomes = runner.run(examples, on_example=partial, previous=previous)
     left_out = sorted(set(previous or {}) - {o.index for o in outcomes})

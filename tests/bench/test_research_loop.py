@@ -155,6 +155,25 @@ def test_resume_runs_only_the_missing_pairs(counted, musique_file, tmp_path):
     assert [m["quality"] for m in again["methods"]] == [m["quality"] for m in grown["methods"]]
 
 
+def test_a_resumed_run_stopped_midway_keeps_the_questions_it_did_not_reach(engine, musique_file):
+    config = dict(data=str(musique_file), n=2, passages=2, ratios="0.5", **LEAN)
+    done = run_benchmark(BenchConfig(methods="full_reuse", **config), engine=engine)
+    written = []
+
+    def stop_after_the_first_write(document):
+        written.append(json.loads(json.dumps(document)))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(BenchConfig(methods="full_reuse,cacheblend", **config), engine=engine,
+                      on_partial=stop_after_the_first_write, resume=json.loads(json.dumps(done)))
+    (stopped,) = written
+    assert stopped["partial"] and [e["index"] for e in stopped["examples"]] == [0, 1]
+    # Question 1 is not reached: as it was, waiting for its new method.
+    assert stopped["examples"][1]["methods"] == done["examples"][1]["methods"]
+    assert set(stopped["examples"][0]["methods"]) == {"full_prefill", "full_reuse", "cacheblend@0.5"}
+
+
 def test_resume_refuses_other_settings(engine, musique_file):
     config = BenchConfig(data=str(musique_file), n=1, passages=2, methods="full_prefill", **LEAN)
     done = run_benchmark(config, engine=engine)
