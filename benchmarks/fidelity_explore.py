@@ -56,7 +56,8 @@ from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E40
 from fidelity_keymap import KEYMAP_OPTIONS, keymap_blend  # noqa: E402
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
-                             key_correction_layers, local_key_correction, oracle_blend)
+                             key_correction_layers, local_key_correction, oracle_blend, probes_offset,
+                             robust_shift_estimate)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -353,6 +354,10 @@ def run(args: argparse.Namespace) -> None:
                     patches.enter_context(key_correction_layers(int(first), int(last or first)))
                 if "keyshift_tau" in _options(m):
                     patches.enter_context(local_key_correction(float(_options(m)["keyshift_tau"])))
+                if "probe_offset" in _options(m):
+                    patches.enter_context(probes_offset(int(_options(m)["probe_offset"])))
+                if "shift_estimate" in _options(m):
+                    patches.enter_context(robust_shift_estimate(_options(m)["shift_estimate"]))
                 if _options(m).get("keyshift_fit") == "diag":
                     patches.enter_context(affine_key_correction())
                 if "keymap" in _options(m):

@@ -16,7 +16,14 @@ patches, an oracle moves the stale entries towards the reference:
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
 weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
 predicts each stale key's change from the key itself, ``a * k + b_chunk`` per channel, fitted on the
-recomputed tokens. Research code: it patches ``BlendRun`` while
+recomputed tokens. ``shift_estimate`` replaces the plain mean of the probes' changes (keys and values) by a
+robust one: ``median`` (per head and channel), ``clip`` (the mean without the probes whose change is over
+twice its group's median size), ``shrink`` (each group's mean halfway to the mean of every group's) or
+``wiener`` (each group's mean per head and channel scaled by ``m^2 / (m^2 + se^2)``, its standard error from
+the spread of every group's probes around their own means, pooled: a shift the probes agree on is applied
+whole, one they do not is dropped).
+``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
+much the probes' placement alone moves a result. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
 """
 
@@ -30,7 +37,9 @@ import torch
 
 from cacheblend_rag.engine.blend_run import BlendRun
 
-ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit")
+ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
+                  "probe_offset")
+SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
 
@@ -170,3 +179,52 @@ def affine_key_correction() -> AbstractContextManager[None]:
         return a * stale_keys + b[:, :, self.chunk_of]
 
     return attribute_replaced(BlendRun, "_stale_key_shift", affine_shift)
+
+
+def robust_shift_estimate(mode: str) -> AbstractContextManager[None]:
+    """The stale shifts estimated robustly from each group's estimating tokens (``SHIFT_ESTIMATES``): a few
+    probes carry the estimate, and one unusual token among them moves the whole group."""
+    if mode not in SHIFT_ESTIMATES:
+        raise ValueError(f"shift_estimate={mode!r}: choose one of {', '.join(SHIFT_ESTIMATES)}")
+
+    def robust_means(self: BlendRun, change: torch.Tensor) -> torch.Tensor:
+        assert self.estimators is not None
+        groups = self.chunk_of[self.estimators]
+        out = change.new_zeros(change.shape[0], change.shape[1], self.shift_groups, change.shape[3])
+        everything = change.mean(dim=2)
+        if mode == "wiener":
+            counts = torch.bincount(groups, minlength=self.shift_groups).clamp(min=1).view(1, 1, -1, 1)
+            totals = change.new_zeros(out.shape).index_add_(2, groups, change)
+            means = totals / counts
+            spread = (change - means[:, :, groups]).pow(2).sum(dim=2, keepdim=True)
+            variance = spread / max(change.shape[2] - self.shift_groups, 1)
+            square = means.pow(2)
+            return (means * square / (square + variance / counts).clamp(min=1e-30))[:, :, self.chunk_of]
+        for g in range(self.shift_groups):
+            members = change[:, :, groups == g]
+            if not members.shape[2]:
+                continue
+            if mode == "median":
+                out[:, :, g] = members.median(dim=2).values
+            elif mode == "clip":
+                size = members.norm(dim=(1, 3)).flatten()  # one size per estimating token
+                keep = size <= 2 * size.median()
+                out[:, :, g] = members[:, :, keep].mean(dim=2)
+            else:
+                out[:, :, g] = 0.5 * (members.mean(dim=2) + everything)
+        return out[:, :, self.chunk_of]
+
+    return attribute_replaced(BlendRun, "_chunk_means", robust_means)
+
+
+def probes_offset(first: int) -> AbstractContextManager[None]:
+    """``shift_probe_stride``'s probes starting ``first`` tokens into each chunk instead of half a stride in."""
+    from cacheblend_rag.engine import blend_run
+
+    def placed(chunk_spans, stride: int) -> torch.Tensor:
+        if not stride:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.tensor([i for start, end in chunk_spans for i in range(start + first, end, stride)],
+                            dtype=torch.long)
+
+    return attribute_replaced(blend_run, "probe_indices", placed)

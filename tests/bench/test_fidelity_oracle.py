@@ -103,3 +103,34 @@ def test_the_local_key_correction_at_infinite_width_is_the_chunk_mean(oracle, se
     for a, b, c in zip(mean.cache.layers, wide.cache.layers, local.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
     assert any(not torch.allclose(a.keys, c.keys, atol=1e-4) for a, c in zip(mean.cache.layers, local.cache.layers))
+
+
+PROBED = BlendConfig(selection="kv_deviation", recompute_ratio=0.3, shift_probe_stride=6, stale_key_correction=1.0,
+                     stale_value_correction=1.0)
+
+
+def test_probes_placed_half_a_stride_in_are_the_engines(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    engine_placed = blend(PROBED)
+    with oracle.probes_offset(3):
+        same = blend(PROBED)
+    with oracle.probes_offset(1):
+        moved = blend(PROBED)
+    torch.testing.assert_close(same.logits, engine_placed.logits, atol=0, rtol=0)
+    assert set(moved.stats.selected_positions) != set(engine_placed.stats.selected_positions)
+
+
+def test_robust_shift_estimates(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    results = {}
+    for mode in oracle.SHIFT_ESTIMATES:
+        with oracle.robust_shift_estimate(mode):
+            results[mode] = blend(PROBED)
+        assert results[mode].stats.selected_positions == mean.stats.selected_positions  # the same tokens
+        assert torch.isfinite(results[mode].logits).all()
+    # No probe is over twice its chunk's median change here, so clipping drops none: the plain mean.
+    torch.testing.assert_close(results["clip"].logits, mean.logits, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(results["median"].logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_estimate='mode': choose one of median, clip"):
+        oracle.robust_shift_estimate("mode")
