@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -489,6 +490,58 @@ def report(args: argparse.Namespace) -> None:
         print(f"\nplot written to {args.plot}")
 
 
+PLACED = re.compile(r"kv_deviation@(?P<ratio>[0-9.]+);shift_probe_stride=(?P<stride>\d+);stale_key_correction=1;"
+                    r"stale_value_correction=1(?:;probe_offset=(?P<offset>\d+))?")
+
+
+def placements(args: argparse.Namespace) -> None:
+    """How much the probes' placement alone moves plain CacheBlend + probes: every stride and ratio measured at
+    more than one ``probe_offset`` (keys and values moved by their whole mean, no other option), one table row
+    per stride and ratio, and a plot of recovery by stride with one point per placement."""
+    rows = [json.loads(line) for path in args.results for line in open(path, encoding="utf-8") if line.strip()]
+    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    qs, methods = summarize(rows)
+    found: dict[tuple[float, int], dict[int, dict]] = {}
+    for m in methods:
+        match = PLACED.fullmatch(m["method"])
+        if match and len(m["questions"]) == len(qs):
+            stride = int(match["stride"])
+            offset = int(match["offset"]) if match["offset"] else max(1, stride // 2)
+            found.setdefault((float(match["ratio"]), stride), {})[offset] = m
+    found = {k: v for k, v in sorted(found.items()) if len(v) > 1}
+    print(f"{args.model}, {args.setup}, {len(qs)} questions: recovery (questions worse than full reuse) by the "
+          "first probe's offset in each chunk\n")
+    print("| ratio | stride | probes a chunk | by offset | mean | spread |")
+    print("|---|---|---|---|---|---|")
+    for (ratio, stride), by_offset in found.items():
+        rec = [100 * m["recovery"] for m in by_offset.values()]
+        cells = ", ".join(f"{o}: {100 * m['recovery']:.0f}% ({m['worse']})" for o, m in sorted(by_offset.items()))
+        print(f"| {ratio:g} | {stride} | {100 // stride} | {cells} | {sum(rec) / len(rec):.0f}% | "
+              f"{max(rec) - min(rec):.0f} points |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+        colours = {0.15: "tab:orange", 0.2: "tab:blue"}
+        for (ratio, stride), by_offset in found.items():
+            ys = [100 * m["recovery"] for m in by_offset.values()]
+            x = stride + (0.4 if ratio == 0.2 else -0.4)
+            ax.scatter([x] * len(ys), ys, color=colours.get(ratio, "grey"), s=22,
+                       label=f"@{ratio:g}" if stride == min(s for r, s in found if r == ratio) else None)
+            ax.plot([x, x], [min(ys), max(ys)], color=colours.get(ratio, "grey"), linewidth=1)
+        ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("probe stride (tokens between probes; 100-token chunks)")
+        ax.set_ylabel(f"recovery of full reuse's KL, {len(qs)} questions (%)")
+        ax.set_title(f"{args.model}: plain CacheBlend + probes, one point per probe placement", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        print(f"\nplot written to {args.plot}")
+
+
 def _short(method: str) -> str:
     """A method's name for a plot label: the long option names abbreviated."""
     for long, short in (("shift_probe_stride=", "probes"), ("stale_key_correction=", "k"),
@@ -518,8 +571,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--model", default="qwen2.5-coder-1.5b")
     r.add_argument("--setup", default="p10_t100_teach16")
     r.add_argument("--plot", help="write the speed-fidelity PNG here")
+    pl = sub.add_parser("placements", help="the probe-placement table and plot from one or more JSONLs")
+    pl.add_argument("results", nargs="+", help="JSONLs `run` wrote")
+    pl.add_argument("--model", default="qwen2.5-coder-1.5b")
+    pl.add_argument("--setup", default="p10_t100_teach16")
+    pl.add_argument("--plot", help="write the PNG here")
     args = parser.parse_args(argv)
-    run(args) if args.command == "run" else report(args)
+    {"run": run, "report": report, "placements": placements}[args.command](args)
 
 
 if __name__ == "__main__":

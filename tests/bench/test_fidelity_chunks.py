@@ -4,6 +4,7 @@ single tokens outside them."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -55,3 +56,20 @@ def test_whole_most_read_chunk_then_tokens_by_deviation(research):
 def test_last_chunks_first(research):
     assert research.ChunkLast().select(_context(4)).tolist() == [8, 9, 10, 11]
     assert research.ChunkLast().select(_context(3)).tolist() == [0, 1, 2]  # no whole chunk fits: deviation, ties early
+
+
+def test_the_placement_table_groups_a_stride_and_ratio_by_probe_offset(research, tmp_path, capsys):
+    """``placements`` reads rows of several runs; the engine's own placement (no offset named) is half a stride in."""
+    probes = "kv_deviation@0.2;shift_probe_stride=20;stale_key_correction=1;stale_value_correction=1"
+    kl = {"full_reuse": [1.0, 1.0], probes: [0.2, 0.4], probes + ";probe_offset=5": [0.6, 1.2],
+          probes + ";shift_estimate=clip": [0.1, 0.1]}  # another option: not a placement
+    rows = [{"model": "m", "setup": "s", "q": q, "method": method, "kl": values[q]}
+            for method, values in kl.items() for q in (0, 1)]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
+    research.main(["placements", str(first), str(second), "--model", "m", "--setup", "s",
+                   "--plot", str(tmp_path / "p.png")])
+    table = capsys.readouterr().out
+    assert "| 0.2 | 20 | 5 | 5: 10% (1), 10: 70% (0) | 40% | 60 points |" in table
+    assert (tmp_path / "p.png").stat().st_size > 0
