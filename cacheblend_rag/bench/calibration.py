@@ -71,13 +71,15 @@ STATE_FORMAT = "cacheblend-rag-calibration-state"
 # published, chunks computed alone. ``+keyshift0.5`` (half the stale key correction) is left out: it
 # helped Qwen2.5-Coder-1.5B at 100-token passages and hurt it at 300 (docs/quality.md, "The key correction
 # at 300-token passages"), so calibration prompts shorter than the deployed ones could pick it wrongly.
-# Name it in --candidates to measure it. ``+probeshift`` (probe tokens estimate each chunk's K/V shift) is in:
-# on that model it recovers 65% at 0.15 with 100-token passages, and at 300 tokens it stays near plain
-# CacheBlend (better on 2 of 5 questions, worse on 3; docs/quality.md, "Probe tokens") instead of failing.
+# Name it in --candidates to measure it. Probe tokens (each chunk's K/V shift estimated from evenly spaced
+# recomputed tokens) are in, one every 10 tokens (``+probeshift10``): on that model they recover 58-63% at
+# 0.15-0.2 wherever they fall, while one every 20 tokens swings by 20 points with the placement
+# (docs/quality.md, "Where the probes fall"), and a candidate that wins a calibration by a lucky placement
+# would not carry over to the user's other prompts.
 DEFAULT_CANDIDATES: list[str] = [
     *(f"query_profiled+prefix@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)),
     *(f"kv_deviation@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)),
-    *(f"kv_deviation+probeshift@{r:g}" for r in (0.1, 0.15, 0.2, 0.3)),
+    *(f"kv_deviation+probeshift10@{r:g}" for r in (0.1, 0.15, 0.2, 0.3)),
 ]
 # Ratios of a --candidates item that pins none (e.g. "kv_deviation").
 CANDIDATE_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
