@@ -21,7 +21,9 @@ robust one: ``median`` (per head and channel), ``clip`` (the mean without the pr
 twice its group's median size), ``shrink`` (each group's mean halfway to the mean of every group's) or
 ``wiener`` (each group's mean per head and channel scaled by ``m^2 / (m^2 + se^2)``, its standard error from
 the spread of every group's probes around their own means, pooled: a shift the probes agree on is applied
-whole, one they do not is dropped).
+whole, one they do not is dropped) or ``splithalf`` (each group's mean per KV head scaled by its split-half
+reliability: the cosine ``r`` between the means of its even and odd probes, stepped up to the whole set as
+``2r / (1 + r)`` and clipped to 0-1; one vector's agreement, where ``wiener`` judges each channel alone).
 ``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
 much the probes' placement alone moves a result. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
@@ -39,7 +41,7 @@ from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset")
-SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener")
+SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
 
@@ -206,6 +208,15 @@ def robust_shift_estimate(mode: str) -> AbstractContextManager[None]:
                 continue
             if mode == "median":
                 out[:, :, g] = members.median(dim=2).values
+            elif mode == "splithalf":
+                mean = members.mean(dim=2)
+                if members.shape[2] < 2:
+                    out[:, :, g] = mean  # one probe: nothing to judge it by, as the engine would
+                    continue
+                even, odd = members[:, :, 0::2].mean(dim=2), members[:, :, 1::2].mean(dim=2)
+                r = torch.nn.functional.cosine_similarity(even, odd, dim=-1)
+                reliability = (2 * r / (1 + r).clamp(min=1e-6)).clamp(0, 1)
+                out[:, :, g] = reliability.unsqueeze(-1) * mean
             elif mode == "clip":
                 size = members.norm(dim=(1, 3)).flatten()  # one size per estimating token
                 keep = size <= 2 * size.median()

@@ -134,3 +134,20 @@ def test_robust_shift_estimates(oracle, setup):
     assert not torch.allclose(results["median"].logits, mean.logits, atol=1e-4)
     with pytest.raises(ValueError, match="shift_estimate='mode': choose one of median, clip"):
         oracle.robust_shift_estimate("mode")
+
+
+def test_split_half_reliability_keeps_a_shift_the_probes_agree_on_and_drops_one_they_do_not(oracle):
+    from types import SimpleNamespace
+
+    from cacheblend_rag.engine.blend_run import BlendRun
+
+    # Two groups of four probes, one token each after them: group 0's probes all moved the same way,
+    # group 1's even and odd probes moved opposite ways.
+    run = SimpleNamespace(estimators=torch.arange(8), chunk_of=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), shift_groups=2)
+    direction = torch.tensor([1.0, -2.0, 0.5])
+    change = torch.stack([direction] * 4 + [direction, -direction, direction, -direction]).view(1, 1, 8, 3)
+    change[0, 0, 4:] += 0.1  # group 1's mean is small but not zero
+    with oracle.robust_shift_estimate("splithalf"):
+        shifts = BlendRun._chunk_means(run, change)
+    torch.testing.assert_close(shifts[0, 0, 0], direction)  # agreed: applied whole
+    torch.testing.assert_close(shifts[0, 0, 4], torch.zeros(3))  # halves opposed: dropped
