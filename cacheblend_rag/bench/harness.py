@@ -687,10 +687,20 @@ def restrict_document(document: dict[str, Any], indices: list[int]) -> dict[str,
 
 
 def document_specs(document: dict[str, Any]) -> list[MethodSpec]:
-    return [MethodSpec(kind=m["kind"], selection=m["selection"], ratio=m["ratio"] if m["kind"] == "blend" else None,
-                       prefix_conditioned=m["prefix_conditioned"], storage=m["storage"], label=m.get("label"),
-                       overrides=tuple((m.get("overrides") or {}).items()), source=m.get("source"))
-            for m in document["methods"]]
+    """The methods of a saved document. A method's name is how ``--methods`` writes it, and only the name
+    carries its corrections (``+keyshift``, ``+probeshift10``), so it is parsed back; a resolved ``default``
+    has a label instead and records its fields."""
+    specs = []
+    for m in document["methods"]:
+        if m.get("label") is None:
+            (spec,) = parse_methods(m["name"], ratios=())
+        else:
+            spec = MethodSpec(kind=m["kind"], selection=m["selection"],
+                              ratio=m["ratio"] if m["kind"] == "blend" else None,
+                              prefix_conditioned=m["prefix_conditioned"], storage=m["storage"], label=m["label"],
+                              overrides=tuple((m.get("overrides") or {}).items()), source=m.get("source"))
+        specs.append(spec)
+    return specs
 
 
 def run_benchmark(config: BenchConfig, engine: CacheBlendEngine | None = None,

@@ -272,3 +272,16 @@ def test_prefix_caching_request_reproduces_full_prefill(engine):
     assert prefix.cache.get_seq_length() == 7
     cold = PrefixCachingRequest(engine, ids, 7, None).prefill()
     assert torch.allclose(cold.logits, full.logits, atol=1e-4)
+
+
+def test_restrict_document_keeps_a_methods_corrections(engine, musique_file):
+    # The probe and key corrections live only in a method's name; summarised again, a document must
+    # still find their pairs (they came back empty under the plain method's name).
+    from cacheblend_rag.bench.harness import restrict_document
+
+    config = BenchConfig(data=str(musique_file), passages=3, ratios="0.5",
+                         methods="full_reuse,cacheblend+probeshift4,cacheblend+keyshift0.5", **FAST)
+    document = run_benchmark(config, engine=engine)
+    again = restrict_document(json.loads(json.dumps(document)), [e["index"] for e in document["examples"]])
+    assert [m["name"] for m in again["methods"]] == [m["name"] for m in document["methods"]]
+    assert [m["quality"] for m in again["methods"]] == [m["quality"] for m in document["methods"]]
