@@ -23,7 +23,9 @@ twice its group's median size), ``shrink`` (each group's mean halfway to the mea
 the spread of every group's probes around their own means, pooled: a shift the probes agree on is applied
 whole, one they do not is dropped) or ``splithalf`` (each group's mean per KV head scaled by its split-half
 reliability: the cosine ``r`` between the means of its even and odd probes, stepped up to the whole set as
-``2r / (1 + r)`` and clipped to 0-1; one vector's agreement, where ``wiener`` judges each channel alone).
+``2r / (1 + r)`` and clipped to 0-1; one vector's agreement, where ``wiener`` judges each channel alone) or
+``cap`` (each group's mean per KV head no longer than 1.5 times the median length of every group's in that
+layer: a trust region against the one chunk whose estimate runs away).
 ``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
 much the probes' placement alone moves a result. Research code: it patches ``BlendRun`` while
 active and is not part of the package.
@@ -41,7 +43,7 @@ from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset")
-SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf")
+SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
 
@@ -202,6 +204,13 @@ def robust_shift_estimate(mode: str) -> AbstractContextManager[None]:
             variance = spread / max(change.shape[2] - self.shift_groups, 1)
             square = means.pow(2)
             return (means * square / (square + variance / counts).clamp(min=1e-30))[:, :, self.chunk_of]
+        if mode == "cap":
+            counts = torch.bincount(groups, minlength=self.shift_groups).clamp(min=1).view(1, 1, -1, 1)
+            means = change.new_zeros(out.shape).index_add_(2, groups, change) / counts
+            length = means.norm(dim=-1, keepdim=True)  # [1, kv_heads, groups, 1]
+            present = torch.bincount(groups, minlength=self.shift_groups) > 0
+            limit = 1.5 * length[:, :, present].median(dim=2, keepdim=True).values
+            return (means * (limit / length.clamp(min=1e-12)).clamp(max=1))[:, :, self.chunk_of]
         for g in range(self.shift_groups):
             members = change[:, :, groups == g]
             if not members.shape[2]:

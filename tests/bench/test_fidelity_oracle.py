@@ -151,3 +151,19 @@ def test_split_half_reliability_keeps_a_shift_the_probes_agree_on_and_drops_one_
         shifts = BlendRun._chunk_means(run, change)
     torch.testing.assert_close(shifts[0, 0, 0], direction)  # agreed: applied whole
     torch.testing.assert_close(shifts[0, 0, 4], torch.zeros(3))  # halves opposed: dropped
+
+
+def test_the_cap_shortens_only_a_shift_far_longer_than_the_others(oracle):
+    from types import SimpleNamespace
+
+    from cacheblend_rag.engine.blend_run import BlendRun
+
+    # Three groups of two probes; group 2's mean shift is ten times the others' length.
+    run = SimpleNamespace(estimators=torch.arange(6), chunk_of=torch.tensor([0, 0, 1, 1, 2, 2]), shift_groups=3)
+    unit = torch.tensor([0.6, 0.8])
+    change = torch.stack([unit, unit, -unit, -unit, 10 * unit, 10 * unit]).view(1, 1, 6, 2)
+    with oracle.robust_shift_estimate("cap"):
+        shifts = BlendRun._chunk_means(run, change)
+    torch.testing.assert_close(shifts[0, 0, 0], unit)
+    torch.testing.assert_close(shifts[0, 0, 2], -unit)
+    torch.testing.assert_close(shifts[0, 0, 4], 1.5 * unit)  # capped at 1.5 times the median length, 1
