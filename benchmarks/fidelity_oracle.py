@@ -196,20 +196,17 @@ def robust_shift_estimate(mode: str) -> AbstractContextManager[None]:
         groups = self.chunk_of[self.estimators]
         out = change.new_zeros(change.shape[0], change.shape[1], self.shift_groups, change.shape[3])
         everything = change.mean(dim=2)
+        members_of = torch.bincount(groups, minlength=self.shift_groups)
+        counts = members_of.clamp(min=1).view(1, 1, -1, 1)
+        means = change.new_zeros(out.shape).index_add_(2, groups, change) / counts  # the engine's, per group
         if mode == "wiener":
-            counts = torch.bincount(groups, minlength=self.shift_groups).clamp(min=1).view(1, 1, -1, 1)
-            totals = change.new_zeros(out.shape).index_add_(2, groups, change)
-            means = totals / counts
             spread = (change - means[:, :, groups]).pow(2).sum(dim=2, keepdim=True)
             variance = spread / max(change.shape[2] - self.shift_groups, 1)
             square = means.pow(2)
             return (means * square / (square + variance / counts).clamp(min=1e-30))[:, :, self.chunk_of]
         if mode == "cap":
-            counts = torch.bincount(groups, minlength=self.shift_groups).clamp(min=1).view(1, 1, -1, 1)
-            means = change.new_zeros(out.shape).index_add_(2, groups, change) / counts
             length = means.norm(dim=-1, keepdim=True)  # [1, kv_heads, groups, 1]
-            present = torch.bincount(groups, minlength=self.shift_groups) > 0
-            limit = 1.5 * length[:, :, present].median(dim=2, keepdim=True).values
+            limit = 1.5 * length[:, :, members_of > 0].median(dim=2, keepdim=True).values
             return (means * (limit / length.clamp(min=1e-12)).clamp(max=1))[:, :, self.chunk_of]
         for g in range(self.shift_groups):
             members = change[:, :, groups == g]

@@ -121,9 +121,11 @@ class BlendConfig:
         recompute budget, and the selection strategy picks the rest of the budget among the others.
         Probes are fixed before any evidence is seen, so their mean change is an unbiased estimate of
         the chunk's shared shift. ``0`` (default): no probes, the chosen tokens estimate it. On
-        Qwen2.5-Coder-1.5B, 20 with both corrections at 1 recovers 65% of full reuse's KL at 0.15
-        against plain CacheBlend's 15% on 13 questions, but four held-out prompts did not confirm it
-        (docs/quality.md, "Probe tokens"); measure it on your prompts (``cacheblend-rag calibrate``).
+        Qwen2.5-Coder-1.5B with both corrections at 1, 10 recovers 63% of full reuse's KL at 0.2 on 13
+        questions wherever the probes fall (20: 52-72% by placement), against plain CacheBlend's 29%;
+        at 300-token passages it ties the default over 29 questions and loses on the 16 it was not
+        developed on (docs/quality.md, "Probe tokens" and after); measure it on your prompts
+        (``cacheblend-rag calibrate``).
     shift_window:
         Estimate the two corrections per window of this many tokens of each chunk rather than per
         chunk, for long chunks whose error drifts along them (windows of 100 did better than whole
