@@ -56,6 +56,7 @@ from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, S
 from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
 from fidelity_keymap import KEYMAP_OPTIONS, keymap_blend  # noqa: E402
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
+from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
                              key_correction_layers, local_key_correction, oracle_blend, probes_offset,
                              robust_shift_estimate)
@@ -228,7 +229,7 @@ def parse_method(spec: str):
     for variant in ("prefix", "lead", "sink", *NEIGHBOUR_VARIANTS):
         if name.endswith("+" + variant):
             name, prefix = name[: -len(variant) - 1], variant
-    research = APE_OPTIONS + ORACLE_OPTIONS + KEYMAP_OPTIONS  # see ape_of(), oracle_of(), the keymap patch
+    research = APE_OPTIONS + ORACLE_OPTIONS + KEYMAP_OPTIONS + TAIL_OPTIONS  # ape_of(), oracle_of(), the patches
     kw = {k: v for k, v in _options(spec).items() if k not in research}
     if name == "full_reuse":
         cfg = BlendConfig(recompute_ratio=0.0, selection="kv_deviation", **kw)
@@ -317,9 +318,10 @@ def run(args: argparse.Namespace) -> None:
         ref_tokens, ref_logits, ref_kv = reference.teacher_ids, reference.teacher_logits, reference.kv
         assert ref_kv is not None
         chunks = {}
-        for cond in ("plain", "prefix", "lead", "sink"):
-            prefix = {"plain": (), "prefix": prompt.conditioning_prefix(True), "lead": tuple(prompt.lead_ids),
-                      "sink": tuple(prompt.lead_ids[:1])}[cond]
+        prefixes = {"plain": (), "prefix": prompt.conditioning_prefix(True), "lead": tuple(prompt.lead_ids),
+                    "sink": tuple(prompt.lead_ids[:1])}
+        tails: dict[tuple[str, int], torch.Tensor] = {}  # (conditioning, first layer): the chunks' hidden states
+        for cond, prefix in prefixes.items():
             if any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and parse_method(m)[0].selection
                    in ("sensitivity", "sensitive_read")) for m in todo):
                 t0 = time.time()
@@ -359,6 +361,11 @@ def run(args: argparse.Namespace) -> None:
                     patches.enter_context(probes_offset(int(_options(m)["probe_offset"])))
                 if "shift_estimate" in _options(m):
                     patches.enter_context(robust_shift_estimate(_options(m)["shift_estimate"]))
+                if "tail_layers" in _options(m):
+                    first = L - int(_options(m)["tail_layers"])
+                    if (cond, first) not in tails:
+                        tails[cond, first] = chunk_hidden_states(engine.adapter, prompt.chunk_ids, prefixes[cond], first)
+                    patches.enter_context(tail_blend(tails[cond, first], first, _options(m).get("tail_drift", "none")))
                 if _options(m).get("keyshift_fit") == "diag":
                     patches.enter_context(affine_key_correction())
                 if "keymap" in _options(m):

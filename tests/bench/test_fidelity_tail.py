@@ -1,0 +1,80 @@
+"""The research loop's tail recompute (benchmarks/fidelity_tail.py, docs/quality.md "The last layers for every
+token"): recomputing every layer for every token is full prefill, the layers before the tail are the plain
+blend's, and in the tail no cached entry is stale."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig
+from cacheblend_rag.engine import CachedSegment, FreshSegment
+from cacheblend_rag.testing import tiny_engine
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def tail():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import fidelity_tail
+        yield fidelity_tail
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for name in ("fidelity_tail", "fidelity_oracle"):
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    engine = tiny_engine("qwen2")
+    g = torch.Generator().manual_seed(1)
+    lead = torch.randint(10, 200, (4,), generator=g).tolist()
+    chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
+    question = torch.randint(10, 200, (5,), generator=g).tolist()
+    full = engine.full_prefill([*lead, *(t for c in chunks for t in c), *question])
+
+    def blend(config: BlendConfig):
+        segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(question)]
+        return engine.blend(segments, config=config)
+
+    return engine, chunks, full, blend, len(lead)
+
+
+CB = BlendConfig(selection="kv_deviation", recompute_ratio=0.2)
+
+
+def test_every_layer_as_the_tail_is_full_prefill(tail, setup):
+    engine, chunks, full, blend, _ = setup
+    embeddings = tail.chunk_hidden_states(engine.adapter, chunks, (), 0)
+    torch.testing.assert_close(embeddings, engine.adapter.embed(torch.tensor([sum(chunks, [])]))[0])
+    reuse = BlendConfig(recompute_ratio=0.0)
+    assert not torch.allclose(blend(reuse).logits, full.logits, atol=1e-3)
+    with tail.tail_blend(embeddings, 0):
+        widened = blend(reuse)
+    torch.testing.assert_close(widened.logits, full.logits, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("drift", ["none", "selected"])
+def test_the_tail_recomputes_every_cached_entry_and_nothing_before_it(tail, setup, drift):
+    engine, chunks, _, blend, first = setup
+    start = engine.num_layers - 2
+    stored = tail.chunk_hidden_states(engine.adapter, chunks, (), start)
+    plain = blend(CB)
+    with tail.tail_blend(stored, start, drift):
+        widened = blend(CB)
+    stale = [p for p in range(first, first + 72) if p not in set(plain.stats.selected_positions)]
+    for layer in range(engine.num_layers):
+        got, was = widened.cache.layers[layer], plain.cache.layers[layer]
+        if layer < start or (layer == start and drift == "none"):
+            # the tail's first layer reads the stored hidden states, which are what its stored K/V came from
+            torch.testing.assert_close(got.values[0][:, stale], was.values[0][:, stale])
+        else:  # computed again: from the drifted hidden states, or after a layer over the whole prompt
+            assert not torch.allclose(got.values[0][:, stale], was.values[0][:, stale], atol=1e-5)
+    with pytest.raises(ValueError, match="tail_drift="):
+        tail.tail_blend(stored, start, "all")
