@@ -364,7 +364,8 @@ def run(args: argparse.Namespace) -> None:
                 if "tail_layers" in _options(m):
                     first = L - int(_options(m)["tail_layers"])
                     if (cond, first) not in tails:
-                        tails[cond, first] = chunk_hidden_states(engine.adapter, prompt.chunk_ids, prefixes[cond], first)
+                        tails[cond, first] = chunk_hidden_states(engine.adapter, prompt.chunk_ids, prefixes[cond],
+                                                                 first)
                     patches.enter_context(tail_blend(tails[cond, first], first, _options(m).get("tail_drift", "none")))
                 if _options(m).get("keyshift_fit") == "diag":
                     patches.enter_context(affine_key_correction())

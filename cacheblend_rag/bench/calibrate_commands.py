@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "gets --passages of them, taken in turn")
     data.add_argument("--questions", default=None,
                       help="with --corpus: sample questions, one a line (or a JSON list of strings)")
-    data.add_argument("--n", type=int, default=8, help="prompts to calibrate on (the first N)")
+    data.add_argument("--n", type=int, default=8,
+                      help="prompts to calibrate on (the first N; with --answerable, the first N holding their answer)")
     data.add_argument("--passages", type=int, default=10, help="passages per prompt, each one cached chunk")
     data.add_argument("--max-passage-tokens", type=int, default=None, help="truncate each passage to this many tokens")
     data.add_argument("--answerable", action="store_true",
@@ -95,11 +96,13 @@ def load_examples(args: argparse.Namespace) -> list[MusiqueExample]:
     """The questions and passages ``args`` names, as :class:`MusiqueExample` (answers may be empty)."""
     if (args.data is None) == (args.corpus is None):
         raise ConfigError("pass --data (MuSiQue JSON or a JSONL of {question, passages}) or --corpus with --questions")
+    # With --answerable, --n counts the prompts kept (build_prompts), so every question is read here.
+    n = None if getattr(args, "answerable", False) else args.n
     if args.corpus is not None:
-        return _corpus_examples(Path(args.corpus), args.questions, args.n, args.passages)
+        return _corpus_examples(Path(args.corpus), args.questions, n, args.passages)
     if str(args.data).endswith(".jsonl"):
-        return _jsonl_examples(Path(args.data), args.n)
-    return load_musique(args.data, args.n)
+        return _jsonl_examples(Path(args.data), n)
+    return load_musique(args.data, n)
 
 
 def _jsonl_examples(path: Path, n: int | None) -> list[MusiqueExample]:
@@ -162,23 +165,26 @@ def _corpus_examples(folder: Path, questions: str | None, n: int | None, passage
             for i, q in enumerate(asked[: n or None])]
 
 
-def build_prompts(engine: CacheBlendEngine, examples: list[MusiqueExample], args: argparse.Namespace) -> list[BenchPrompt]:
+def build_prompts(engine: CacheBlendEngine, examples: list[MusiqueExample],
+                  args: argparse.Namespace) -> list[BenchPrompt]:
     prompts = [build_prompt(engine.tokenizer, ex, passages=args.passages, max_passage_tokens=args.max_passage_tokens)
                for ex in examples]
-    for ex, prompt in zip(examples, prompts):
-        if prompt.num_tokens + args.teacher_tokens > engine.context_window:
-            raise ConfigError(f"question {ex.question!r}: the prompt has {prompt.num_tokens} tokens, beyond the model's "
-                              f"context of {engine.context_window} with the answer; lower --passages or set "
-                              "--max-passage-tokens")
+    chosen = list(range(len(examples)))
     if args.answerable:
         if not any(ex.answers for ex in examples):
             raise ConfigError("--answerable needs gold answers (MuSiQue data); these prompts have none")
         kept = answerable(examples, prompts)
-        print(f"--answerable: kept {len(kept)} of {len(examples)} questions (gold answer in the prompt)", file=sys.stderr)
+        print(f"--answerable: {len(kept)} of {len(examples)} questions hold their gold answer in the prompt; "
+              f"calibrating on the first {min(len(kept), args.n)}", file=sys.stderr)
         if not kept:
             raise ConfigError("--answerable kept no question; raise --max-passage-tokens or --passages")
-        prompts = [prompts[i] for i in kept]
-    return prompts
+        chosen = kept[:args.n]
+    for i in chosen:
+        if prompts[i].num_tokens + args.teacher_tokens > engine.context_window:
+            raise ConfigError(f"question {examples[i].question!r}: the prompt has {prompts[i].num_tokens} tokens, "
+                              f"beyond the model's context of {engine.context_window} with the answer; lower "
+                              "--passages or set --max-passage-tokens")
+    return [prompts[i] for i in chosen]
 
 
 # --------------------------------------------------------------------------- the command

@@ -323,3 +323,23 @@ def test_warm_computes_chunks_as_the_calibration_chose(tmp_path, capsys):
     chat = ChatCacheBlend(model=str(folder), store_path=str(store), max_tokens=3)
     assert chat.config_source.startswith("calibrated") and not chat.conditions_chunks
     assert chat.warm(chunks, show_progress=False).present == 2
+
+
+def test_with_answerable_n_counts_the_prompts_that_hold_their_answer(engine, tmp_path, capsys):
+    from cacheblend_rag.bench.calibrate_commands import build_prompts, load_examples
+
+    def item(question: str, answer: str, text: str) -> str:
+        return json.dumps({"question": question, "answers": [answer], "passages": [text, "filler words here"]})
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join([item("Q0?", "paris", "Paris is a city."), item("Q1?", "rome", "No answer here."),
+                               item("Q2?", "oslo", "Oslo is a city."), item("Q3?", "bern", "Bern is a city.")]))
+    args = build_parser().parse_args(["calibrate", "--data", str(data), "--n", "2", "--answerable"])
+    def cities(prompts) -> list[str]:
+        return [p.passage_texts[0].split()[0] for p in prompts]
+
+    # the first two that hold their answer: Q0 and Q2, not Q0 alone of the first two read
+    assert cities(build_prompts(engine, load_examples(args), args)) == ["Paris", "Oslo"]
+    assert "3 of 4 questions hold their gold answer" in capsys.readouterr().err
+    plain = build_parser().parse_args(["calibrate", "--data", str(data), "--n", "2"])
+    assert cities(build_prompts(engine, load_examples(plain), plain)) == ["Paris", "No"]
