@@ -39,6 +39,7 @@ from cacheblend_rag.bench.metrics import (
     gold_f1,
     mean_or_none,
     recovery,
+    recovery_interval,
     summarize,
     token_kl,
     top1_agreement,
@@ -640,10 +641,15 @@ def _quality(spec: MethodSpec, by_question: Callable[[str], dict[int, Any]], ref
     mean_kl = mean_or_none(kls)
     worse = None
     full_reuse_mean = None
+    recovery_ci = None
     if full_reuse_kl is not None:
         paired = [i for i in kl_map if i in full_reuse_kl]
         worse = int(sum(kl_map[i] > full_reuse_kl[i] for i in paired))
         full_reuse_mean = mean_or_none([full_reuse_kl[i] for i in paired])
+        if spec.kind not in ("full_prefill", "full_reuse"):  # their recovery is 1 and 0 by definition
+            interval = recovery_interval([kl_map[i] for i in paired], [full_reuse_kl[i] for i in paired],
+                                         resamples=BOOTSTRAP_RESAMPLES, seed=0)
+            recovery_ci = None if interval is None else list(interval)
     f1_map = by_question("f1")
     f1_delta = [f1_map[i] - reference_f1[i] for i in f1_map if i in reference_f1]
     return {
@@ -656,6 +662,7 @@ def _quality(spec: MethodSpec, by_question: Callable[[str], dict[int, Any]], ref
         "kl_median": float(np.median(kls)) if kls else None,
         "top1": mean_or_none(list(by_question("top1").values())),
         "recovery": recovery(mean_kl, full_reuse_mean) if spec.kind != "full_prefill" else 1.0,
+        "recovery_ci95": recovery_ci,
         "exact_match": mean_or_none([float(v) for v in by_question("exact_match").values()]),
         "worse_than_full_reuse": worse,
     }

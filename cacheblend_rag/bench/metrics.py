@@ -92,6 +92,31 @@ def bootstrap_interval(values: Sequence[float], *, resamples: int = 2000, confid
     return float(low), float(high)
 
 
+def recovery_interval(kl: Sequence[float], full_reuse_kl: Sequence[float], *, resamples: int = 2000,
+                      confidence: float = 0.95, seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of :func:`recovery` over questions: ``kl[i]`` and ``full_reuse_kl[i]`` are
+    one question's, resampled together (a ratio of means, so each resample recomputes both means). ``None`` for
+    fewer than two questions."""
+    method, reuse = np.asarray(kl, dtype=np.float64), np.asarray(full_reuse_kl, dtype=np.float64)
+    if method.shape != reuse.shape:
+        raise ValueError(f"{method.size} KL values against {reuse.size} of full reuse; pair them by question")
+    if method.size < 2:
+        return None
+    if not 0.0 < confidence < 1.0 or resamples < 1:
+        raise ValueError(f"confidence={confidence} must lie in (0, 1) and resamples={resamples} be >= 1")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, method.size, size=(resamples, method.size))
+    reuse_means = reuse[picks].mean(axis=1)
+    # A resample whose full reuse is exact everywhere has no recovery; it is left out, as recovery() would.
+    defined = reuse_means > 0
+    if not defined.any():
+        return None
+    values = 1.0 - method[picks].mean(axis=1)[defined] / reuse_means[defined]
+    tail = 100 * (1.0 - confidence) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def answers_match(generated: str, reference: str) -> bool:
     """Exact match of two generated answers (their first lines, whitespace-trimmed)."""
     return first_line(generated) == first_line(reference)

@@ -19,8 +19,8 @@ METHOD_KEYS = {
     "cold_ttft_s", "decode_tokens_per_s", "throughput_rps", "throughput_requests", "precompute",
     "recompute_fraction", "quality", "added_as_reference",
 }
-QUALITY_KEYS = {"f1", "gold_em", "f1_delta", "f1_delta_ci95", "kl", "kl_median", "top1", "recovery", "exact_match",
-                "worse_than_full_reuse"}
+QUALITY_KEYS = {"f1", "gold_em", "f1_delta", "f1_delta_ci95", "kl", "kl_median", "top1", "recovery", "recovery_ci95",
+                "exact_match", "worse_than_full_reuse"}
 EXAMPLE_METHOD_KEYS = {"answer", "f1", "gold_exact_match", "exact_match", "kl", "top1", "ttft_s", "decode_tokens_per_s", "cold_ttft_s",
                        "throughput_request_s", "stats", "diagnostics"}
 
@@ -91,6 +91,9 @@ def test_reference_identities(document):
     assert methods["full_prefill"]["ttft_speedup"] == pytest.approx(1.0)
     reuse = methods["full_reuse"]["quality"]
     assert reuse["recovery"] == 0.0 and reuse["worse_than_full_reuse"] == 0
+    assert reuse["recovery_ci95"] is None and methods["full_prefill"]["quality"]["recovery_ci95"] is None
+    low, high = methods["cacheblend@0.5"]["quality"]["recovery_ci95"]
+    assert low <= methods["cacheblend@0.5"]["quality"]["recovery"] <= high
     assert reuse["kl"] > 0  # the tiny random model does notice the missing cross-attention
     # Exact methods: prefix caching, and blending at ratio 1.
     for name in ("prefix_caching", "cacheblend@1", "sink_aware+prefix@1"):
@@ -114,7 +117,8 @@ def test_table_and_plot(document, tmp_path):
 
 def test_answer_table(document):
     rows = answer_table(document).splitlines()
-    assert rows[0] == "| method | F1 | EM | ΔF1 vs full prefill [95% CI] | KL | top-1 | recovery | TTFT speedup |"
+    assert rows[0] == ("| method | F1 | EM | ΔF1 vs full prefill [95% CI] | KL | top-1 | recovery [95% CI] | "
+                       "TTFT speedup |")
     full = next(r for r in rows if r.startswith("| full_prefill |"))
     assert "| +0.000 |" in full and full.endswith("| 1.00x |")
     assert "[+0.000, +0.000]" in next(r for r in rows if r.startswith("| cacheblend@1 |"))

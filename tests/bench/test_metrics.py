@@ -17,6 +17,7 @@ from cacheblend_rag.bench.metrics import (
     gold_f1,
     normalize_answer,
     recovery,
+    recovery_interval,
     summarize,
     token_kl,
     top1_agreement,
@@ -133,3 +134,16 @@ def test_bootstrap_interval_is_seeded_and_brackets_the_mean():
     assert low <= narrow[0] <= narrow[1] <= high
     with pytest.raises(ValueError, match="confidence"):
         bootstrap_interval(diffs, confidence=1.5)
+
+
+def test_recovery_interval_resamples_questions_with_their_full_reuse():
+    method, reuse = [0.1, 0.5, 0.2, 0.9, 0.3], [0.4, 0.6, 0.5, 1.0, 0.2]
+    low, high = recovery_interval(method, reuse, resamples=4000, seed=1)
+    assert low < recovery(sum(method) / 5, sum(reuse) / 5) < high
+    assert (low, high) == recovery_interval(method, reuse, resamples=4000, seed=1)
+    # every question at half its full reuse: every resample recovers exactly half
+    assert recovery_interval([0.1, 0.3, 0.2], [0.2, 0.6, 0.4]) == pytest.approx((0.5, 0.5))
+    assert recovery_interval([0.1], [0.2]) is None
+    assert recovery_interval([0.0, 0.0], [0.0, 0.0]) is None  # full reuse exact: no recovery to speak of
+    with pytest.raises(ValueError, match="pair them"):
+        recovery_interval([0.1, 0.2], [0.3])
