@@ -646,7 +646,9 @@ def _quality(spec: MethodSpec, by_question: Callable[[str], dict[int, Any]], ref
         paired = [i for i in kl_map if i in full_reuse_kl]
         worse = int(sum(kl_map[i] > full_reuse_kl[i] for i in paired))
         full_reuse_mean = mean_or_none([full_reuse_kl[i] for i in paired])
-        if spec.kind not in ("full_prefill", "full_reuse"):  # their recovery is 1 and 0 by definition
+        # Full prefill's recovery is 1 and plain full reuse's 0 by definition (conditioned or compressed full
+        # reuse is another method).
+        if spec.kind != "full_prefill" and spec.name != MethodSpec("full_reuse").name:
             interval = recovery_interval([kl_map[i] for i in paired], [full_reuse_kl[i] for i in paired],
                                          resamples=BOOTSTRAP_RESAMPLES, seed=0)
             recovery_ci = None if interval is None else list(interval)

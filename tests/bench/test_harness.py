@@ -289,3 +289,19 @@ def test_restrict_document_keeps_a_methods_corrections(engine, musique_file):
     again = restrict_document(json.loads(json.dumps(document)), [e["index"] for e in document["examples"]])
     assert [m["name"] for m in again["methods"]] == [m["name"] for m in document["methods"]]
     assert [m["quality"] for m in again["methods"]] == [m["quality"] for m in document["methods"]]
+
+
+def test_conditioned_full_reuse_gets_a_recovery_interval_plain_full_reuse_none():
+    from cacheblend_rag.bench.harness import _quality
+    from cacheblend_rag.bench.methods import parse_methods
+
+    kl = {"full_reuse": {0: 0.4, 1: 0.6, 2: 0.2}, "full_reuse+prefix": {0: 0.1, 1: 0.5, 2: 0.1}}
+    for name, expected in (("full_reuse", None), ("full_reuse+prefix", True)):
+        (spec,) = parse_methods(name, ratios=())
+        quality = _quality(spec, lambda attr, _n=name: kl[_n] if attr == "kl" else {}, {}, kl["full_reuse"])
+        if expected is None:
+            assert quality["recovery"] == 0.0 and quality["recovery_ci95"] is None
+        else:
+            low, high = quality["recovery_ci95"]
+            assert quality["recovery"] == pytest.approx(1 - 0.7 / 1.2)
+            assert low <= quality["recovery"] <= high
