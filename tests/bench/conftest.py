@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
+from typing import Iterator
 
 import pytest
 import torch
@@ -52,3 +57,40 @@ def engine():
     from cacheblend_rag.testing import tiny_engine
 
     return tiny_engine("llama")
+
+
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+
+
+@contextmanager
+def _research_module(name: str) -> Iterator[ModuleType]:
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for loaded in [m for m, module in sys.modules.items()
+                       if (getattr(module, "__file__", None) or "").startswith(BENCHMARKS)]:
+            sys.modules.pop(loaded, None)
+
+
+@pytest.fixture(scope="session")
+def research_module():
+    """``with research_module("fidelity_oracle") as module:``, a research module of ``benchmarks/`` (they import
+    each other by name), forgotten afterwards."""
+    return _research_module
+
+
+@pytest.fixture(scope="module")
+def three_chunk_prompt():
+    """A tiny Qwen2 engine, a prompt of a lead, three 24-token chunks and a question, and its full prefill."""
+    from cacheblend_rag.testing import tiny_engine
+
+    torch.manual_seed(0)
+    engine = tiny_engine("qwen2")
+    g = torch.Generator().manual_seed(1)
+    lead = torch.randint(10, 200, (4,), generator=g).tolist()
+    chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
+    question = torch.randint(10, 200, (5,), generator=g).tolist()
+    full = engine.full_prefill([*lead, *(t for c in chunks for t in c), *question])
+    return engine, lead, chunks, question, full

@@ -5,40 +5,22 @@ per-chunk mean."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.engine import CachedSegment, FreshSegment
-from cacheblend_rag.testing import tiny_engine
-
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import fidelity_oracle
-        yield fidelity_oracle
-    finally:
-        sys.path.remove(BENCHMARKS)
-        sys.modules.pop("fidelity_oracle", None)
+def oracle(research_module):
+    with research_module("fidelity_oracle") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
-def setup():
-    torch.manual_seed(0)
-    engine = tiny_engine("qwen2")
-    g = torch.Generator().manual_seed(1)
-    lead = torch.randint(10, 200, (4,), generator=g).tolist()
-    chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
-    tail = torch.randint(10, 200, (5,), generator=g).tolist()
-    ids = [*lead, *(t for c in chunks for t in c), *tail]
-    full = engine.full_prefill(ids)
+def setup(three_chunk_prompt):
+    engine, lead, chunks, tail, full = three_chunk_prompt
     reference = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in full.cache.layers]
 
     def blend(config: BlendConfig):

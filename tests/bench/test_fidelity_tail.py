@@ -4,40 +4,22 @@ blend's, and in the tail no cached entry is stale."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.engine import CachedSegment, FreshSegment
-from cacheblend_rag.testing import tiny_engine
-
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 
 
 @pytest.fixture(scope="module")
-def tail():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import fidelity_tail
-        yield fidelity_tail
-    finally:
-        sys.path.remove(BENCHMARKS)
-        for name in ("fidelity_tail", "fidelity_oracle"):
-            sys.modules.pop(name, None)
+def tail(research_module):
+    with research_module("fidelity_tail") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
-def setup():
-    torch.manual_seed(0)
-    engine = tiny_engine("qwen2")
-    g = torch.Generator().manual_seed(1)
-    lead = torch.randint(10, 200, (4,), generator=g).tolist()
-    chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
-    question = torch.randint(10, 200, (5,), generator=g).tolist()
-    full = engine.full_prefill([*lead, *(t for c in chunks for t in c), *question])
+def setup(three_chunk_prompt):
+    engine, lead, chunks, question, full = three_chunk_prompt
 
     def blend(config: BlendConfig):
         segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(question)]
