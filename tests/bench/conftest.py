@@ -83,7 +83,8 @@ def research_module():
 
 @pytest.fixture(scope="module")
 def three_chunk_prompt():
-    """A tiny Qwen2 engine, a prompt of a lead, three 24-token chunks and a question, and its full prefill."""
+    """A tiny Qwen2 engine, a prompt of a lead, three 24-token chunks and a question, its full prefill, and
+    ``blend(config)``: the prompt blended from the chunks' own KV."""
     from cacheblend_rag.testing import tiny_engine
 
     torch.manual_seed(0)
@@ -93,4 +94,11 @@ def three_chunk_prompt():
     chunks = [torch.randint(10, 200, (24,), generator=g).tolist() for _ in range(3)]
     question = torch.randint(10, 200, (5,), generator=g).tolist()
     full = engine.full_prefill([*lead, *(t for c in chunks for t in c), *question])
-    return engine, lead, chunks, question, full
+
+    def blend(config):
+        from cacheblend_rag.engine import CachedSegment, FreshSegment
+
+        segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(question)]
+        return engine.blend(segments, config=config)
+
+    return engine, lead, chunks, full, blend

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.engine import CachedSegment, FreshSegment
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +19,8 @@ def oracle(research_module):
 
 @pytest.fixture(scope="module")
 def setup(three_chunk_prompt):
-    engine, lead, chunks, tail, full = three_chunk_prompt
+    engine, lead, chunks, full, blend = three_chunk_prompt
     reference = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in full.cache.layers]
-
-    def blend(config: BlendConfig):
-        segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(tail)]
-        return engine.blend(segments, config=config)
-
     return engine, full, reference, blend, len(lead), sum(len(c) for c in chunks)
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.engine import CachedSegment, FreshSegment
 
 
 @pytest.fixture(scope="module")
@@ -17,22 +16,11 @@ def tail(research_module):
         yield module
 
 
-@pytest.fixture(scope="module")
-def setup(three_chunk_prompt):
-    engine, lead, chunks, question, full = three_chunk_prompt
-
-    def blend(config: BlendConfig):
-        segments = [lead, *(CachedSegment(engine.prefill_chunk(c)) for c in chunks), FreshSegment(question)]
-        return engine.blend(segments, config=config)
-
-    return engine, chunks, full, blend, len(lead)
-
-
 CB = BlendConfig(selection="kv_deviation", recompute_ratio=0.2)
 
 
-def test_every_layer_as_the_tail_is_full_prefill(tail, setup):
-    engine, chunks, full, blend, _ = setup
+def test_every_layer_as_the_tail_is_full_prefill(tail, three_chunk_prompt):
+    engine, _, chunks, full, blend = three_chunk_prompt
     embeddings = tail.chunk_hidden_states(engine.adapter, chunks, (), 0)
     torch.testing.assert_close(embeddings, engine.adapter.embed(torch.tensor([sum(chunks, [])]))[0])
     reuse = BlendConfig(recompute_ratio=0.0)
@@ -43,8 +31,9 @@ def test_every_layer_as_the_tail_is_full_prefill(tail, setup):
 
 
 @pytest.mark.parametrize("drift", ["none", "selected"])
-def test_the_tail_recomputes_every_cached_entry_and_nothing_before_it(tail, setup, drift):
-    engine, chunks, _, blend, first = setup
+def test_the_tail_recomputes_every_cached_entry_and_nothing_before_it(tail, three_chunk_prompt, drift):
+    engine, lead, chunks, _, blend = three_chunk_prompt
+    first = len(lead)
     start = engine.num_layers - 2
     stored = tail.chunk_hidden_states(engine.adapter, chunks, (), start)
     plain = blend(CB)
