@@ -260,9 +260,11 @@ def ape_of(spec: str) -> ApeSetting | None:
 
 
 def oracle_of(spec: str) -> OracleSetting | None:
-    """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B]``, or None."""
+    """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B][;oracle_window=N]``, or None."""
     options = _options(spec)
-    return OracleSetting.parse(options["oracle"], options.get("oracle_layers")) if "oracle" in options else None
+    if "oracle" not in options:
+        return None
+    return OracleSetting.parse(options["oracle"], options.get("oracle_layers"), options.get("oracle_window"))
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],

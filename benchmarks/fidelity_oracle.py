@@ -11,7 +11,8 @@ patches, an oracle moves the stale entries towards the reference:
   channel, keys before RoPE) that best fits their error, the mean of it: the ceiling of the engine's
   ``stale_key_correction``, and of a value correction built the same way.
 
-``layers`` (``"a-b"``, inclusive) limits it to those layers. Not an oracle, but patched the same way:
+``layers`` (``"a-b"``, inclusive) limits it to those layers; ``window`` (``oracle_window``) gives the shift modes
+one shift per window of that many tokens of a chunk, as the engine's ``shift_window`` does for its estimate. Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
 weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
@@ -41,7 +42,7 @@ import torch
 
 from cacheblend_rag.engine.blend_run import BlendRun
 
-ORACLE_OPTIONS = ("oracle", "oracle_layers", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
+ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
@@ -52,17 +53,21 @@ class OracleSetting:
     mode: str
     first_layer: int = 0
     last_layer: int = 10**6
+    window: int = 0  # the shift modes: one shift per window of this many tokens of a chunk (0: the whole chunk)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"oracle={self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.window < 0:
+            raise ValueError(f"oracle_window={self.window}: a number of tokens, or 0 for the whole chunk")
 
     @classmethod
-    def parse(cls, mode: str, layers: str | None) -> "OracleSetting":
-        if not layers:
-            return cls(mode)
-        first, _, last = str(layers).partition("-")
-        return cls(mode, int(first), int(last or first))
+    def parse(cls, mode: str, layers: str | None, window: int | str | None = None) -> "OracleSetting":
+        first, last = 0, 10**6
+        if layers:
+            head, _, tail = str(layers).partition("-")
+            first, last = int(head), int(tail or head)
+        return cls(mode, first, last, int(window or 0))
 
 
 def chunk_means(diff: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> torch.Tensor:
@@ -80,8 +85,11 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         return
     layout = run.layout
     chunk_of = torch.full((layout.n_cached,), -1, dtype=torch.long)
-    for index, (start, end) in enumerate(layout.chunk_spans):
-        chunk_of[start:end] = index
+    groups = 0
+    for start, end in layout.chunk_spans:
+        width = setting.window or (end - start)
+        chunk_of[start:end] = groups + torch.arange(end - start) // width
+        groups += -(-(end - start) // width)
     stale = ~torch.isin(layout.cached_pos, run.active) & (chunk_of >= 0)
     pos, chunk_of = layout.cached_pos[stale], chunk_of[stale]
     ref_k, ref_v = reference[layer]
@@ -94,13 +102,13 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         else:
             cos, sin = run.cos[:, pos].float(), run.sin[:, pos].float()
             diff = run.a.apply_rope((target - cur).unsqueeze(0), cos, -sin)[0]
-            shift = run.a.apply_rope(chunk_means(diff, chunk_of, len(layout.chunk_spans)).unsqueeze(0), cos, sin)[0]
+            shift = run.a.apply_rope(chunk_means(diff, chunk_of, groups).unsqueeze(0), cos, sin)[0]
             new = cur + shift
         key_layer[0, :, pos] = new.to(key_layer.dtype)
     if "v" in setting.mode.split("_")[0]:
         cur = value_layer[0, :, pos].float()
         target = ref_v[:, pos].float()
-        new = target if full else cur + chunk_means(target - cur, chunk_of, len(layout.chunk_spans))
+        new = target if full else cur + chunk_means(target - cur, chunk_of, groups)
         value_layer[0, :, pos] = new.to(value_layer.dtype)
 
 

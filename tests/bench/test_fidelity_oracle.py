@@ -66,6 +66,16 @@ def test_a_chunk_shift_leaves_the_stale_error_with_zero_mean(oracle, setup):
         stale = chunk[~torch.isin(chunk, selected)]
         error = shifted.cache.layers[2].values[0][:, stale] - reference[2][1][:, stale]
         torch.testing.assert_close(error.mean(dim=1), torch.zeros_like(error[:, 0]), atol=1e-5, rtol=0)
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("v_shift", "2-2", 8)):
+        windowed = blend(CB)
+    for start in range(first, first + n, 8):  # one shift per window of 8 tokens: each window's mean is gone
+        window = torch.arange(start, start + 8)
+        stale = window[~torch.isin(window, selected)]
+        if stale.numel():
+            error = windowed.cache.layers[2].values[0][:, stale] - reference[2][1][:, stale]
+            torch.testing.assert_close(error.mean(dim=1), torch.zeros_like(error[:, 0]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="oracle_window"):
+        oracle.OracleSetting("v_shift", window=-1)
 
 
 def test_the_local_key_correction_at_infinite_width_is_the_chunk_mean(oracle, setup):
