@@ -105,7 +105,8 @@ def test_an_unreachable_target_is_said_plainly_and_the_best_setting_is_used(engi
     result = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=1.01), progress=False,
                        state_path=state)
     assert not result.target_met and "NOT reached" in result.message
-    assert result.chosen.kl == min(r.kl for r in result.candidates)
+    safe = [r for r in result.candidates if r.worse_than_full_reuse == 0] or result.candidates
+    assert result.chosen.kl == min(r.kl for r in safe)
     assert result.chosen.name in result.message
     saved = result.save()
     assert json.loads(saved.read_text())["target_met"] is False  # saved all the same: the best measured is used
@@ -130,6 +131,34 @@ def test_full_reuse_is_chosen_when_every_candidate_is_further_from_full_prefill(
     result.save()
     assert engine.calibration().name == "full_reuse"
     assert engine.default_config().recompute_ratio == 0.0
+
+
+def test_out_of_reach_a_setting_that_keeps_every_prompt_no_worse_than_full_reuse_comes_first(engine, prompts,
+                                                                                             measured, tmp_path):
+    _, state = measured
+    document = json.loads(state.read_text())
+    entries = list(document["prompts"].values())
+    keys = [k for k in entries[0]["methods"] if k != "full_reuse"]
+    lowest, runner_up = keys[0], keys[1]
+    for number, entry in enumerate(entries):
+        reuse_kl = entry["methods"]["full_reuse"]["kl"]
+        for key in keys:  # every setting halfway between full prefill and full reuse...
+            entry["methods"][key]["kl"] = 0.5 * reuse_kl
+        # ...but the lowest in mean KL is far better on two prompts and worse than full reuse on the third
+        entry["methods"][lowest]["kl"] = 1.2 * reuse_kl if number == 0 else 0.0
+        entry["methods"][runner_up]["kl"] = 0.45 * reuse_kl
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(document))
+    result = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=0.9), progress=False, state_path=edited)
+    by_key = {r.name: r for r in result.candidates}
+    assert not result.target_met and result.chosen.worse_than_full_reuse == 0
+    assert result.chosen.kl < min(r.kl for r in result.candidates if r is not result.chosen and
+                                  r.worse_than_full_reuse == 0) and result.chosen.kl > min(r.kl for r in by_key.values())
+    assert "at most 0 prompts worse than full reuse" in result.message
+    # With the allowance at one prompt, the lowest KL is within it and is chosen.
+    allowed = calibrate(engine, prompts, CANDIDATES, CalibrationTarget(recovery=0.9, allow_worse=1), progress=False,
+                        state_path=edited)
+    assert allowed.chosen.kl == min(r.kl for r in allowed.candidates) and allowed.chosen.worse_than_full_reuse == 1
 
 
 def test_a_cost_ceiling_is_never_crossed_met_or_not(engine, prompts, measured):
