@@ -520,9 +520,9 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
                    (" or raise the ceiling" if ceiling else ""))
     elif within:
         # The target's "never worse than full reuse" is the user's floor on every prompt, so the settings that
-        # hold it come first; among them (or among all, if none does) the lowest KL. A lower mean KL that makes
-        # a prompt worse is no better by the user's own measure (docs/quality.md, "The calibrated setting at
-        # 300-token passages": 0.003 of KL between the two best of three prompts, one of them with a prompt worse).
+        # hold it come first; among them (or among all, if none does) the lowest KL. A lower mean KL bought by
+        # making a prompt worse is no better by the user's own measure, and on a handful of prompts the mean's
+        # differences are mostly noise (docs/quality.md, "The calibrated setting at 300-token passages").
         safe = [r for r in within if r.worse_than_full_reuse <= target.allow_worse]
         chosen, met = min(safe or within, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
         how = (f"lowest KL of those with at most {target.allow_worse} prompts worse than full reuse" if safe

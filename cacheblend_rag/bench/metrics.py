@@ -86,9 +86,13 @@ def bootstrap_interval(values: Sequence[float], *, resamples: int = 2000, confid
     if not 0.0 < confidence < 1.0 or resamples < 1:
         raise ValueError(f"confidence={confidence} must lie in (0, 1) and resamples={resamples} be >= 1")
     rng = np.random.default_rng(seed)
-    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    return _central_interval(data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1), confidence)
+
+
+def _central_interval(estimates: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The central ``confidence`` share of a bootstrap's estimates (a percentile interval)."""
     tail = 100 * (1.0 - confidence) / 2
-    low, high = np.percentile(means, [tail, 100 - tail])
+    low, high = np.percentile(estimates, [tail, 100 - tail])
     return float(low), float(high)
 
 
@@ -111,10 +115,7 @@ def recovery_interval(kl: Sequence[float], full_reuse_kl: Sequence[float], *, re
     defined = reuse_means > 0
     if not defined.any():
         return None
-    values = 1.0 - method[picks].mean(axis=1)[defined] / reuse_means[defined]
-    tail = 100 * (1.0 - confidence) / 2
-    low, high = np.percentile(values, [tail, 100 - tail])
-    return float(low), float(high)
+    return _central_interval(1.0 - method[picks].mean(axis=1)[defined] / reuse_means[defined], confidence)
 
 
 def answers_match(generated: str, reference: str) -> bool:

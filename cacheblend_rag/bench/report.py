@@ -215,7 +215,8 @@ def answer_table(document: dict[str, Any]) -> str:
         q = m["quality"]
         lines.append("| " + " | ".join([
             method_cell(m), _fmt(q["f1"], ".3f"), _fmt(q["gold_em"], ".3f"), f1_delta_cell(q), _fmt(q["kl"], ".4f"),
-            _fmt(q["top1"], ".3f"), recovery_cell(q), "–" if m["ttft_speedup"] is None else f"{m['ttft_speedup']:.2f}x",
+            _fmt(q["top1"], ".3f"), recovery_cell(q),
+            "–" if m["ttft_speedup"] is None else f"{m['ttft_speedup']:.2f}x",
         ]) + " |")
     return "\n".join(lines)
 
