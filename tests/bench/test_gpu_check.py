@@ -90,7 +90,7 @@ def test_the_quality_model_is_skipped_with_a_clear_line_when_not_installed(gpu_c
     assert path is None and "not fetched on this machine" in why
     engine, line = gpu_check.quality_engine(torch.device("cpu"), torch.bfloat16, smoke=False)
     assert engine is None and asked == []  # never loaded, never fetched
-    assert line.startswith("the quality model is not installed here, so its correctness check and TTFT are skipped")
+    assert line.startswith("the quality model is not installed here, so its correctness check is skipped")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
