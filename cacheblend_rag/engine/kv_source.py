@@ -67,11 +67,15 @@ class InMemoryKVSource(CachedKVSource):
         return [c.keys[0].dtype == self.dtype or c.keys[0].dtype == torch.float32 for c in self.chunks]
 
     def layer_parts(self, index: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (c.keys[index].to(device=self.device, dtype=self.dtype, non_blocking=True),
-             c.values[index].to(device=self.device, dtype=self.dtype, non_blocking=True))
-            for c in self.chunks
-        ]
+        return [(self._here(c.keys[index]), self._here(c.values[index])) for c in self.chunks]
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        # Checked in Python: a no-op ``.to`` still costs a dispatch, and a GPU blend pays one per chunk and layer.
+        if t.dtype == self.dtype and (t.device == self.device or (
+                t.device.type == self.device.type == "cuda" and self.device.index is None
+                and t.device.index == torch.cuda.current_device())):
+            return t
+        return t.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = [c.keys[index] for c in self.chunks]

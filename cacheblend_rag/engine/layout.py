@@ -178,6 +178,18 @@ class PromptLayout:
 
 
 
+def contiguous_runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """``spans`` (sorted ``[start, end)``) merged where one ends as the next starts: ``(start, end, first,
+    last)``, the run's positions and the indices ``[first, last)`` of the spans it joins."""
+    runs: list[tuple[int, int, int, int]] = []
+    for index, (start, end) in enumerate(spans):
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, runs[-1][2], index + 1)
+        else:
+            runs.append((start, end, index, index + 1))
+    return runs
+
+
 class MergedLayers:
     """One layer's K/V for all positions: the prefix segment's as cached (its keys already rotated),
     then the cached chunks, read from ``source``, with their keys rotated to the positions they hold
@@ -198,14 +210,19 @@ class MergedLayers:
         # the positions no chunk covers stay zero.
         m = layout.prefix_len
         self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
+        self._runs = contiguous_runs(layout.prompt_spans)
+
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout, m = self.layout, self.layout.prefix_len
         parts = self.source.layer_parts(layer, layout.chunk_lengths) if layout.prompt_spans else []
         value_layer = torch.empty(self.shape, dtype=self.dtype, device=self.cos.device).index_fill_(2, layout.fresh_pos, 0)
-        for (start, end), (chunk_k, chunk_v) in zip(layout.prompt_spans, parts):
-            self._raw_keys[0, :, start - m : end - m].copy_(chunk_k)
-            value_layer[0, :, start:end].copy_(chunk_v)
+        # Chunks that sit side by side are written with one concatenation each for K and V, straight into
+        # the layer: per-chunk copies made a GPU blend wait on thousands of small launches (performance.md, GPU).
+        for start, end, first, last in self._runs:
+            keys, values = [k for k, _ in parts[first:last]], [v for _, v in parts[first:last]]
+            torch.cat(keys, dim=1, out=self._raw_keys[0, :, start - m : end - m])
+            torch.cat(values, dim=1, out=value_layer[0, :, start:end])
         key_layer = torch.empty_like(value_layer)
         if layout.prefix is not None:
             key_layer[0, :, :m].copy_(layout.prefix.kv[layer, 0])
