@@ -126,6 +126,8 @@ class BlendRun:
         self.active = layout.fresh_pos if self.full_reuse else layout.positions[skip:]
         self.hidden = a.embed(layout.ids[self.active].unsqueeze(0))
         self.q: torch.Tensor | None = None
+        self._rope_active: torch.Tensor | None = None  # the active positions ``_rope`` holds cos/sin of
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -158,14 +160,14 @@ class BlendRun:
         else:
             phase = "early_layers" if all_active or self.full_reuse else "late_layers"
             if all_active and not self._narrowing():
-                key_layer, value_layer = a.apply_rope(k, self.cos, self.sin), v
+                key_layer, value_layer = a.apply_rope(k, *self._active_rope()), v
             else:
                 key_layer, value_layer = self._patched_layer(layer, k, v)
         self.keys.append(key_layer)
         self.values.append(value_layer)
         if layer == a.num_layers - 1:
             self._restrict(self.active[-1:])  # only the last token's output is needed from the final layer
-        q_rot = a.apply_rope(self.q, self.cos[:, self.active], self.sin[:, self.active])
+        q_rot = a.apply_rope(self.q, *self._active_rope())
         if self.active.numel() == n:
             attn = causal_attention(a, layer, q_rot, key_layer, value_layer)
         else:
@@ -194,7 +196,7 @@ class BlendRun:
         fresh K/V, then narrow to the choice."""
         cached_pos = self.layout.cached_pos
         if self.active.numel() == self.layout.n:
-            key_layer, value_layer = self.a.apply_rope(k, self.cos, self.sin), v
+            key_layer, value_layer = self.a.apply_rope(k, *self._active_rope()), v
         else:  # the exact prefix's K/V comes from the cache, the rest is this layer's
             key_layer, value_layer = self._patched_layer(layer, k, v)
         rows = torch.searchsorted(self.active, cached_pos)  # the cached tokens' rows of ``k``
@@ -266,7 +268,7 @@ class BlendRun:
             # Compare the still-selected tokens' fresh K/V with their cached K/V, taken before the write.
             sel_pos = self.layout.cached_pos[self.selected]
             cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
-        fresh_keys = self.a.apply_rope(k, self.cos[:, self.active], self.sin[:, self.active])
+        fresh_keys = self.a.apply_rope(k, *self._active_rope())
         if self.key_correction or self.value_correction:
             self._correct_stale_entries(key_layer, value_layer, fresh_keys, v)
         key_layer.index_copy_(2, self.active, fresh_keys)
@@ -358,6 +360,14 @@ class BlendRun:
         return question_attention(self.a, layer, q_rot, q_pos, key_layer).sum(dim=0)[self.layout.cached_pos]
 
     # ------------------------------------------------------------------ bookkeeping
+    def _active_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the active positions, gathered once per set of them (each layer used to gather its
+        own twice: four launches a layer on a GPU)."""
+        if self._rope_active is not self.active:
+            self._rope_active = self.active
+            self._rope = self.a.rope_halves(self.cos[:, self.active], self.sin[:, self.active])
+        return self._rope
+
     def _active_for(self, selected: torch.Tensor) -> torch.Tensor:
         return torch.sort(torch.cat([self.layout.cached_pos[selected], self.carried])).values
 

@@ -211,6 +211,7 @@ class MergedLayers:
         m = layout.prefix_len
         self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
         self._runs = contiguous_runs(layout.prompt_spans)
+        self._rope = a.rope_halves(cos[:, m:], sin[:, m:])
 
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +230,7 @@ class MergedLayers:
             value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])
         # One rotation of the rest of the layer: per-chunk rotations cost about twice as much on a CPU,
         # where each of their many small operations pays its own dispatch.
-        self.a.apply_rope(self._raw_keys, self.cos[:, m:], self.sin[:, m:], out=key_layer[:, :, m:])
+        self.a.apply_rope(self._raw_keys, *self._rope, out=key_layer[:, :, m:])
         return key_layer, value_layer
 
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

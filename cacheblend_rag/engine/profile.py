@@ -55,7 +55,7 @@ def profile_question(
     active = torch.cat([lead, fresh_pos[n_fresh - question_len:]])
     hidden_fresh = fresh_pos[~torch.isin(fresh_pos, active)]  # fresh positions the pass leaves out
     hidden = a.embed(layout.ids[active].unsqueeze(0))
-    q_cos, q_sin = merged.cos[:, active], merged.sin[:, active]
+    q_cos, q_sin = a.rope_halves(merged.cos[:, active], merged.sin[:, active])
     question_rows = slice(active.numel() - question_len, None)
     lead_rows = slice(0, active.numel() - question_len)
     lead_attention = PartialAttention("exact")

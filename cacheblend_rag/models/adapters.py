@@ -54,18 +54,26 @@ class DecoderAdapter:
         return self.decoder.rotary_emb(like, positions)
 
     @staticmethod
+    def rope_halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of ``[batch, tokens, head_dim]`` as :meth:`apply_rope` uses them, ``[batch, 1, tokens,
+        head_dim / 2]``: a blend rotates at the same positions several times a layer, and on a GPU each
+        slicing is a launch of its own."""
+        half = cos.shape[-1] // 2
+        return cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+
+    @staticmethod
     def apply_rope(
         x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Rotate ``x`` (``[batch, heads, tokens, head_dim]``) with cos/sin of ``[batch, tokens, head_dim]``.
+        """Rotate ``x`` (``[batch, heads, tokens, head_dim]``) with cos/sin of ``[batch, tokens, head_dim]``,
+        or with their :meth:`rope_halves` (prepared once for many rotations at the same positions).
 
         Same arithmetic as ``x * cos + rotate_half(x) * sin`` (transformers builds cos/sin as two
         equal halves for every rope type), but without materialising ``rotate_half``'s
         concatenation: on a CPU the copies cost as much as the multiplications.
         """
         half = x.shape[-1] // 2
-        c = cos[..., :half].unsqueeze(1)
-        s = sin[..., :half].unsqueeze(1)
+        c, s = DecoderAdapter.rope_halves(cos, sin) if cos.dim() == 3 else (cos, sin)
         x1, x2 = x[..., :half], x[..., half:]
         if out is None:
             out = torch.empty_like(x)
