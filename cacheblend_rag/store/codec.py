@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -52,9 +52,6 @@ class PackedLayer:
         moved = [t.to(device, non_blocking=non_blocking) for t in self.tensors]
         return PackedLayer(self.codec, self.shape, moved)
 
-    def pin_memory(self) -> "PackedLayer":
-        return PackedLayer(self.codec, self.shape, [t.pin_memory() for t in self.tensors])
-
     def unpacked(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V. ``dtype=None`` keeps a float codec's stored dtype (views, no copy); quantized
         codecs always expand, into ``dtype`` (float32 when ``None``)."""
@@ -67,6 +64,37 @@ class PackedLayer:
         ``isfinite(t).all()``, which cost a 16-bit store ~95 ms a 3,000-token blend on a CPU. A float32
         sum can overflow only past 3e38, far beyond any real K/V: such a layer is refused, and recomputed."""
         return all(bool(torch.isfinite(t.sum(dtype=torch.float32))) for t in self.tensors if t.is_floating_point())
+
+
+_ALIGN = 16  # bytes: any dtype's view of a staged tensor starts on a multiple of its element size
+
+
+def staged(layers: Sequence[PackedLayer], device: torch.device, *, pin: bool) -> list[PackedLayer]:
+    """``layers`` moved to ``device`` in one transfer: their tensors packed back to back into one host
+    buffer (page-locked when ``pin``, so that the copy is asynchronous on the current stream), copied at
+    once, and cut back into views there. Copying each chunk's tensors on its own cost a GPU blend a
+    page-locked allocation and a transfer per chunk, layer and tensor (docs/performance.md, GPU)."""
+    placed: list[tuple[torch.Tensor, int, int]] = []  # (tensor, offset, bytes)
+    total = 0
+    for layer in layers:
+        for t in layer.tensors:
+            size = t.numel() * t.element_size()
+            placed.append((t, total, size))
+            total += -(-size // _ALIGN) * _ALIGN
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    for t, offset, size in placed:
+        if size:
+            host[offset : offset + size].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    there = host.to(device, non_blocking=pin)
+    cut = iter(placed)
+    out = []
+    for layer in layers:
+        tensors = []
+        for t in layer.tensors:
+            _, offset, size = next(cut)
+            tensors.append(there[offset : offset + size].view(t.dtype).view(t.shape))
+        out.append(PackedLayer(layer.codec, layer.shape, tensors))
+    return out
 
 
 class Codec(ABC):

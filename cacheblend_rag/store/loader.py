@@ -5,9 +5,9 @@ it needs it, in increasing ``l``. :class:`PipelinedKVSource` uses that order: wh
 ``l`` computes, one background thread already reads layer ``l + 1`` of every chunk from the
 store, checks it (:class:`~cacheblend_rag.store.entries.EntryRules`) and decodes it. A
 quantized layer (int8, int4) is expanded here, off the blend's critical path: on a CPU into
-the compute dtype; on CUDA its compact bytes are staged in pinned memory, copied on a side
-stream and expanded on the device there, and the engine's stream waits on an event instead
-of the whole device.
+the compute dtype; on CUDA the compact bytes of every chunk's layer are staged in one pinned
+buffer, copied at once on a side stream and expanded on the device there, and the engine's
+stream waits on an event instead of the whole device.
 
 A chunk whose layer turns out missing or damaged in the middle of a blend cannot be
 re-fetched: the blend has already used its earlier layers. Those layers passed their
@@ -29,7 +29,7 @@ import torch
 from cacheblend_rag.engine.kv_source import CachedKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.store.base import KVStore
-from cacheblend_rag.store.codec import PackedLayer, codec_for_name
+from cacheblend_rag.store.codec import PackedLayer, codec_for_name, staged
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.format import Manifest
@@ -281,9 +281,11 @@ class PipelinedKVSource(CachedKVSource):
             self._stream.wait_event(self._fresh_ready)
         keys, values = [], []
         with torch.cuda.stream(self._stream):
+            packed = [layer for layer in layers if isinstance(layer, PackedLayer)]
+            moved = iter(staged(packed, self.device, pin=True) if packed else [])
             for layer in layers:
                 if isinstance(layer, PackedLayer):
-                    layer = layer.pin_memory().to(self.device, non_blocking=True).unpacked(self.dtype)
+                    layer = next(moved).unpacked(self.dtype)
                 keys.append(layer[0].to(self.dtype))
                 values.append(layer[1].to(self.dtype))
             event = torch.cuda.Event()

@@ -154,3 +154,23 @@ def test_cache_stats_show_bytes_per_token_by_codec(engine, tmp_path, capsys, mon
     assert by_codec["int4 (group 64)"]["bytes_per_token"] < 0.4 * sixteen
     assert cli_main(["cache", "stats", "--path", str(path)]) == 0
     assert "bytes/token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "int8", "int4"])
+def test_layers_staged_in_one_buffer_are_the_layers_unchanged(name):
+    """What the CUDA loader copies in one transfer (here unpinned, on the CPU) cuts back into every chunk's
+    tensors bit for bit, whatever their dtypes and odd byte sizes (int4's scales sit after packed nibbles)."""
+    from cacheblend_rag.store.codec import staged
+
+    torch.manual_seed(0)
+    layers = [decode_layer(encode_layer(torch.randn(2, n, 6), torch.randn(2, n, 6), codec_named(name)))
+              for n in (1, 7, 13)]
+    moved = staged(layers, torch.device("cpu"), pin=False)
+    assert len(moved) == len(layers)
+    for before, after in zip(layers, moved):
+        assert after.codec == before.codec and after.shape == before.shape
+        assert [t.dtype for t in after.tensors] == [t.dtype for t in before.tensors]
+        assert all(torch.equal(a, b) for a, b in zip(after.tensors, before.tensors))
+        for a, b in zip(after.unpacked(torch.float32), before.unpacked(torch.float32)):
+            assert torch.equal(a, b)
+    assert staged([], torch.device("cpu"), pin=False) == []
