@@ -214,6 +214,15 @@ def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict
         for name, cfg in METHODS.items():
             row[name] = median_seconds(lambda: engine.blend(in_memory, config=cfg), device, repeats)
             row[f"{name} (disk)"] = median_seconds(lambda: engine.blend(stored, config=cfg, store=cache), device, repeats)
+        # Where each method's time goes (the engine's phases, the wait on the store's loader), from one more
+        # run of each: what a slow row needs to be explained (host-side clocks: on a GPU only the total and
+        # the load wait include the device's time).
+        row["phases_ms"] = {
+            f"{name}{suffix}": {phase: round(seconds * 1000, 2) for phase, seconds in
+                                engine.blend(segments, config=cfg, **kwargs).stats.timings.items()}
+            for name, cfg in METHODS.items()
+            for suffix, segments, kwargs in (("", in_memory, {}), (" (disk)", stored, {"store": cache}))
+        }
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return row
