@@ -213,7 +213,6 @@ class MergedLayers:
         self._runs = contiguous_runs(layout.prompt_spans)
         self._rope = a.rope_halves(cos[:, m:], sin[:, m:])
 
-
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout, m = self.layout, self.layout.prefix_len
         parts = self.source.layer_parts(layer, layout.chunk_lengths) if layout.prompt_spans else []
