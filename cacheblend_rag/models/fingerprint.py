@@ -40,12 +40,20 @@ class WeightsStamp(NamedTuple):
 def weights_stamp(model: nn.Module) -> WeightsStamp:
     """What changes when a weight changes: every parameter's and buffer's storage, version, shape, dtype."""
     parts = []
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        try:
-            version: int | None = tensor._version
-        except RuntimeError:  # an inference tensor
-            version = None
-        parts.append((name, tensor.data_ptr(), version, tuple(tensor.shape), str(tensor.dtype)))
+    seen: set[int] = set()  # a tied weight once, as named_parameters() gives it
+    # One walk of the modules for parameters and buffers alike: blends read the stamp twice each, and
+    # named_parameters() and named_buffers() walked the model once apiece (0.4 ms more a call on a 1.5B shape).
+    for prefix, module in model.named_modules():
+        for name, tensor in itertools.chain(module._parameters.items(), module._buffers.items()):
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            try:
+                version: int | None = tensor._version
+            except RuntimeError:  # an inference tensor
+                version = None
+            parts.append((f"{prefix}.{name}" if prefix else name, tensor.data_ptr(), version, tuple(tensor.shape),
+                          str(tensor.dtype)))
     return WeightsStamp(tuple(parts))
 # Config keys that describe where or how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation",

@@ -96,6 +96,21 @@ def test_weights_changed_in_place_change_the_fingerprint_of_the_same_engine(chun
     assert engine.fingerprint != before
 
 
+
+def test_a_replaced_weight_or_submodule_changes_the_fingerprint_of_the_same_engine():
+    """The stamp walks the modules as they are now: a parameter or a whole layer swapped for another is seen."""
+    from cacheblend_rag.testing import tiny_engine
+
+    engine = tiny_engine("llama", seed=5)
+    before = engine.fingerprint
+    mlp = engine.model.model.layers[1].mlp
+    mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 2)
+    after_weight = engine.fingerprint
+    assert after_weight != before
+    mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    assert engine.fingerprint not in (before, after_weight)
+
+
 # ------------------------------------------------------------------ 3. unbounded reads
 def test_a_huge_sparse_value_file_is_corrupt_not_read(engine, warmed, stored_prompt):
     _, _, filename = index_rows(warmed, "key LIKE 'l:%' AND filename IS NOT NULL")[0]
