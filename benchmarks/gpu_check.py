@@ -379,13 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(json.dumps(report, indent=2))
     save()
+    # Every check that ran must have passed: SmolLM2's gate and round trip, the quality model's (when checked).
+    quality_checked = report["quality_model"] if "passed" in report["quality_model"] else None
+    verdicts = [report.get("gate"), report.get("store_round_trip"), quality_checked,
+                quality_checked and quality_checked["store_round_trip"]]
     ok = (report["invariant_tests"]["passed"] and not report.get("errors")
-          and all("error" not in row for row in rows))
-    for checked in (report.get("gate"), report["quality_model"] if quality is not None else None):
-        if checked is not None:
-            ok = ok and checked["passed"] and checked.get("store_round_trip", {"passed": True})["passed"]
-    if report.get("store_round_trip") is not None:
-        ok = ok and report["store_round_trip"]["passed"]
+          and all("error" not in row for row in rows) and all(v["passed"] for v in verdicts if v))
     return 0 if ok else 1
 
 

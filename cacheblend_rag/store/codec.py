@@ -48,10 +48,6 @@ class PackedLayer:
     shape: tuple[int, int, int]  # (kv_heads, tokens, head_dim) of K, and of V
     tensors: list[torch.Tensor]
 
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> "PackedLayer":
-        moved = [t.to(device, non_blocking=non_blocking) for t in self.tensors]
-        return PackedLayer(self.codec, self.shape, moved)
-
     def unpacked(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V. ``dtype=None`` keeps a float codec's stored dtype (views, no copy); quantized
         codecs always expand, into ``dtype`` (float32 when ``None``)."""
