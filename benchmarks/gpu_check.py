@@ -17,6 +17,10 @@ Where CUDA is present (about five minutes on one H200: 264 s on 2026-12-04):
    at 10 x 300, 8 x 512 and (the larger two) 32 x 512 tokens. A model whose weights are not
    installed (a bare GPU machine) is timed as a random model of its shape.
 
+3. where the device time goes: torch's profiler on the quality model's shape, full prefill, full reuse
+   and the default at 0.15, at 10 x 300 and 32 x 512 tokens (wall time, summed kernel time, kernel
+   launches, the busiest operations).
+
 Every step is guarded: one that fails is reported with its traceback, the rest still run, and the
 exit status says so. With ``--out`` the JSON is written after every step, so a run cut short keeps
 what it measured.
@@ -234,6 +238,46 @@ def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict
     return row
 
 
+def kernel_profile(engine: CacheBlendEngine, prompt: Prompt, top: int = 12) -> dict[str, Any]:
+    """Where a call's device time goes, by operation (torch's profiler, one call after a warm-up): full
+    prefill, full reuse and the default at 0.15 from memory. A call whose wall time is far above its summed
+    kernel time is bound by launches, not arithmetic."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    chunks = engine.prefill_chunks(prompt.chunks)
+    segments = [FreshSegment(prompt.head), *map(CachedSegment, chunks), FreshSegment(prompt.tail)]
+    calls = {"full prefill": lambda: engine.full_prefill(prompt.ids),
+             "full reuse": lambda: engine.blend(segments, config=METHODS["full reuse"]),
+             "default@0.15": lambda: engine.blend(segments, config=METHODS["default@0.15"])}
+    out: dict[str, Any] = {"tokens": len(prompt.ids)}
+    for name, call in calls.items():
+        call()
+        synchronize(device)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            call()
+            synchronize(device)
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+
+        def device_us(e: Any) -> float:
+            return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0))
+
+        busiest = sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]
+        out[name] = {
+            "wall_ms_profiled": round(wall * 1000, 2),
+            # Kernels are events of their own on the device; an operation's device time repeats theirs.
+            "kernel_ms": round(sum(device_us(e) for e in events
+                                   if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1000, 2),
+            "kernel_launches": sum(e.count for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")),
+            "ops": [{"op": e.key, "calls": e.count, "device_ms": round(device_us(e) / 1000, 3),
+                     "self_cpu_ms": round(e.self_cpu_time_total / 1000, 3)} for e in busiest],
+        }
+    return out
+
+
 def random_model(kind: str, fields: dict[str, Any], name: str, device: torch.device, dtype: torch.dtype,
                  smoke: bool) -> CacheBlendEngine:
     """A randomly initialised ``kind`` ("llama", "qwen2") of ``fields``'s shape (tiny in a smoke run)."""
@@ -370,6 +414,24 @@ def main(argv: list[str] | None = None) -> int:
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    # 4. where the device time goes, on the quality model's shape at the table's prompt and the long one.
+    if timed:
+        label, make, _ = timed[-1]
+        engine = guarded(report, f"build {label} for the kernel profile", make)
+        profiles: list[dict[str, Any]] = []
+        report["kernel_profile"] = profiles
+        for chunks, chunk_tokens in ([(3, 20)] if args.smoke else [SHAPES[0], LONG_SHAPE]):
+            if engine is None:
+                break
+            prompt = random_prompt(engine.model.config.vocab_size, chunks, chunk_tokens, seed=1)
+            found = guarded(report, f"kernel profile of {engine.model_name} at {chunks} x {chunk_tokens}",
+                            lambda: kernel_profile(engine, prompt))
+            if found is not None:
+                profiles.append({"model": engine.model_name, **found})
+                print(f"4. kernel profile, {found['tokens']:,} tokens: " + "; ".join(
+                    f"{m} {found[m]['wall_ms_profiled']} ms wall, {found[m]['kernel_ms']} ms in kernels"
+                    for m in ("full prefill", "full reuse", "default@0.15")), flush=True)
+            save()
     print()
     print("Chunk KV in device memory:")
     print(table(rows, disk=False))
