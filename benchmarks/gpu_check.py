@@ -52,6 +52,7 @@ from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root
 from cacheblend_rag.store import ChunkCache
+from cacheblend_rag.store.loader import default_readers
 
 REPO = Path(__file__).resolve().parents[1]
 QUALITY_MODEL = "qwen2.5-coder-1.5b"
@@ -79,6 +80,12 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 QWEN_1P5B_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                        rope_theta=1000000.0, tie_word_embeddings=True)
+# A Mistral-7B-shaped model, the size of the CacheBlend paper's smallest (32 layers, hidden 4096, 32 heads over 8
+# KV heads of 128, MLP 14336): where a blend's arithmetic, not its launches, should decide its speed.
+MISTRAL_7B_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=32768, max_position_embeddings=32768,
+                        rope_theta=1000000.0, tie_word_embeddings=False)
+MODELS = ("smollm2", "llama-1b", "qwen-1.5b", "mistral-7b")
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512)
 
@@ -224,6 +231,13 @@ def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict
         for name, cfg in METHODS.items():
             row[name] = median_seconds(lambda: engine.blend(in_memory, config=cfg), device, repeats)
             row[f"{name} (disk)"] = median_seconds(lambda: engine.blend(stored, config=cfg, store=cache), device, repeats)
+        # The loader's readers (several layers read at once on a GPU) against one, as before 2026-12-04.
+        row["loader_threads"] = default_readers(device)
+        cache.loader_threads = 1
+        for name in ("full reuse", "default@0.15"):
+            row[f"{name} (disk, 1 reader)"] = median_seconds(
+                lambda: engine.blend(stored, config=METHODS[name], store=cache), device, repeats)
+        cache.loader_threads = None
         # Where each method's time goes (the engine's phases, the wait on the store's loader), from one more
         # run of each: what a slow row needs to be explained (host-side clocks: on a GPU only the total and
         # the load wait include the device's time).
@@ -280,10 +294,10 @@ def kernel_profile(engine: CacheBlendEngine, prompt: Prompt, top: int = 12) -> d
 
 def random_model(kind: str, fields: dict[str, Any], name: str, device: torch.device, dtype: torch.dtype,
                  smoke: bool) -> CacheBlendEngine:
-    """A randomly initialised ``kind`` ("llama", "qwen2") of ``fields``'s shape (tiny in a smoke run)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A randomly initialised ``kind`` ("llama", "qwen2", "mistral") of ``fields``'s shape (tiny in a smoke run)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
     fields = {**fields, **(TINY_SHAPE if smoke else {})}
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: seconds on a GPU, no host copy
@@ -298,6 +312,8 @@ def random_llama(device: torch.device, dtype: torch.dtype, smoke: bool) -> Cache
 
 def table(rows: list[dict[str, Any]], disk: bool) -> str:
     names = [f"{m} (disk)" if disk else m for m in METHODS]
+    if disk:
+        names += ["full reuse (disk, 1 reader)", "default@0.15 (disk, 1 reader)"]
     lines = ["| model | dtype | prompt tokens | full prefill | " + " | ".join(names) + " |",
              "|---" * (len(names) + 4) + "|"]
     for row in rows:
@@ -330,9 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-long", action="store_true", help=f"skip the {LONG_SHAPE[0]} x {LONG_SHAPE[1]} prompt")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"which models to time, comma-separated, from {', '.join(MODELS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and prompts (checks the script on a CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here (after every step)")
     args = parser.parse_args(argv)
+    wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not wanted or any(m not in MODELS for m in wanted):
+        parser.error(f"--models {args.models!r}: choose from {', '.join(MODELS)}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -364,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     # 2. correctness on real weights where they are installed; random models of their shapes stand in for speed.
-    timed: list[tuple[str, Callable[[], CacheBlendEngine | None], bool]] = []
+    timed: list[tuple[str, Callable[[], CacheBlendEngine | None], bool]] = []  # (model, build, long prompt too)
     small, why = guarded(report, "load SmolLM2", lambda: embedded_engine(device, dtype, args.smoke)) or (None, "")
     report["embedded_model"] = {"checked": small is not None, "note": why}
     print(f"2. {why}", flush=True)
@@ -374,11 +395,11 @@ def main(argv: list[str] | None = None) -> int:
             print(correctness_line(checked, args.dtype), flush=True)
             report["store_round_trip"] = checked.pop("store_round_trip")
             report["gate"] = checked
-        timed.append(("SmolLM2", lambda: small, False))
+        timed.append(("smollm2", lambda: small, False))
     else:
-        timed.append(("SmolLM2 shape", lambda: random_model("llama", SMOLLM2_SHAPE, "SmolLM2-135M shape", device,
+        timed.append(("smollm2", lambda: random_model("llama", SMOLLM2_SHAPE, "SmolLM2-135M shape", device,
                                                              dtype, args.smoke), False))
-    timed.append(("Llama-1B shape", lambda: random_llama(device, dtype, args.smoke), True))
+    timed.append(("llama-1b", lambda: random_llama(device, dtype, args.smoke), True))
     quality, why = guarded(report, "load the quality model", lambda: quality_engine(device, dtype, args.smoke)) \
         or (None, "")
     report["quality_model"] = {"name": QUALITY_MODEL, "checked": quality is not None, "note": why}
@@ -388,10 +409,14 @@ def main(argv: list[str] | None = None) -> int:
         if checked is not None:
             report["quality_model"].update(checked)
             print(correctness_line(report["quality_model"], args.dtype), flush=True)
-        timed.append((QUALITY_MODEL, lambda: quality, True))
+        timed.append(("qwen-1.5b", lambda: quality, True))
     else:
-        timed.append(("Qwen2.5-1.5B shape", lambda: random_model("qwen2", QWEN_1P5B_SHAPE, "Qwen2.5-1.5B shape",
+        timed.append(("qwen-1.5b", lambda: random_model("qwen2", QWEN_1P5B_SHAPE, "Qwen2.5-1.5B shape",
                                                                   device, dtype, args.smoke), True))
+    # The 7B shape skips the long prompt: from the disk store it reads 2 GB a blend, minutes of a lent GPU's time.
+    timed.append(("mistral-7b", lambda: random_model("mistral", MISTRAL_7B_SHAPE, "Mistral-7B shape", device, dtype,
+                                                     args.smoke), False))
+    timed = [entry for entry in timed if entry[0] in wanted]
     save()
 
     # 3. speed, every model at every shape; a failed row is reported and the rest still run.
@@ -416,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     # 4. where the device time goes, on the quality model's shape at the table's prompt and the long one.
     if timed:
-        label, make, _ = timed[-1]
+        label, make, _ = next((entry for entry in timed if entry[0] == "qwen-1.5b"), timed[-1])
         engine = guarded(report, f"build {label} for the kernel profile", make)
         profiles: list[dict[str, Any]] = []
         report["kernel_profile"] = profiles
