@@ -35,8 +35,27 @@ def test_every_step_runs_on_tiny_models_on_the_cpu(tmp_path):
     # A tiny Qwen2 stands in for the quality model: its correctness check and TTFT row run too.
     quality = report["quality_model"]
     assert quality["checked"] and quality["passed"] and quality["store_round_trip"]["passed"]
-    assert report["ttft"][-1]["model"] == "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)"
-    assert all(row["full prefill"] > 0 and row["default@0.15 (disk)"] > 0 for row in report["ttft"])
+    assert "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)" in [row["model"] for row in report["ttft"]]
+    assert report["ttft"][-1]["model"].startswith("random Mistral-7B shape")
+    assert all(row["full prefill"] > 0 and row["default@0.15 (disk)"] > 0 and row["full reuse (disk, 1 reader)"] > 0
+               for row in report["ttft"])
+    # The kernel profile runs on the quality model's stand-in.
+    assert report["kernel_profile"][0]["model"] == "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)"
+    assert report["kernel_profile"][0]["default@0.15"]["wall_ms_profiled"] > 0
+
+
+def test_models_selects_what_is_timed_and_refuses_a_name_it_does_not_know(tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--models", "qwen-1.5b",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+
+    assert [row["model"] for row in json.loads(out.read_text())["ttft"]] == \
+        ["tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--models", "gpt-9"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "choose from smollm2, llama-1b, qwen-1.5b, mistral-7b" in done.stderr
 
 
 # ------------------------------------------------------------------ the quality model, without CUDA
