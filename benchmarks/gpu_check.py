@@ -52,7 +52,6 @@ from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root
 from cacheblend_rag.store import ChunkCache
-from cacheblend_rag.store.loader import default_readers
 
 REPO = Path(__file__).resolve().parents[1]
 QUALITY_MODEL = "qwen2.5-coder-1.5b"
@@ -231,13 +230,6 @@ def time_methods(engine: CacheBlendEngine, prompt: Prompt, repeats: int) -> dict
         for name, cfg in METHODS.items():
             row[name] = median_seconds(lambda: engine.blend(in_memory, config=cfg), device, repeats)
             row[f"{name} (disk)"] = median_seconds(lambda: engine.blend(stored, config=cfg, store=cache), device, repeats)
-        # The loader's readers (several layers read at once on a GPU) against one, as before 2026-12-04.
-        row["loader_threads"] = default_readers(device)
-        cache.loader_threads = 1
-        for name in ("full reuse", "default@0.15"):
-            row[f"{name} (disk, 1 reader)"] = median_seconds(
-                lambda: engine.blend(stored, config=METHODS[name], store=cache), device, repeats)
-        cache.loader_threads = None
         # Where each method's time goes (the engine's phases, the wait on the store's loader), from one more
         # run of each: what a slow row needs to be explained (host-side clocks: on a GPU only the total and
         # the load wait include the device's time).
@@ -312,8 +304,6 @@ def random_llama(device: torch.device, dtype: torch.dtype, smoke: bool) -> Cache
 
 def table(rows: list[dict[str, Any]], disk: bool) -> str:
     names = [f"{m} (disk)" if disk else m for m in METHODS]
-    if disk:
-        names += ["full reuse (disk, 1 reader)", "default@0.15 (disk, 1 reader)"]
     lines = ["| model | dtype | prompt tokens | full prefill | " + " | ".join(names) + " |",
              "|---" * (len(names) + 4) + "|"]
     for row in rows:

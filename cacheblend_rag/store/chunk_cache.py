@@ -109,8 +109,7 @@ class ChunkCache:
     ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
     ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring).
     ``prefetch=False`` turns off the layer read-ahead; ``write_back=False`` keeps missed chunks
-    out of the store. ``loader_threads`` is how many layers a blend reads at once (``None``: one on a
-    CPU, up to four on a GPU, see :func:`~cacheblend_rag.store.loader.default_readers`).
+    out of the store.
     """
 
     def __init__(
@@ -125,14 +124,9 @@ class ChunkCache:
         auth_key: bytes | str | None = None,
         prefetch: bool = True,
         write_back: bool = True,
-        loader_threads: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
-        if loader_threads is not None and (isinstance(loader_threads, bool) or not isinstance(loader_threads, int)
-                                           or not 1 <= loader_threads <= 64):
-            raise ConfigError(f"loader_threads={loader_threads!r} must be an integer from 1 to 64, "
-                              "or None for the device's default")
         self.codec: Codec | None = codec_named(storage_dtype, storage_group)  # None: "auto"
         self.tagger = Tagger(store_key(auth_key))
         self.engine = engine
@@ -146,7 +140,6 @@ class ChunkCache:
         self.storage_dtype = "auto" if self.codec is None else self.codec.name
         self.prefetch = prefetch
         self.write_back = write_back
-        self.loader_threads = loader_threads
         self.closed = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-writer")
         self._pending: set[Future] = set()
@@ -295,7 +288,7 @@ class ChunkCache:
             self._submit(self._record, hits=hits - load_failures, misses=misses, load_failures=load_failures)
 
         source = PipelinedKVSource(
-            self.store, engine, planned, self.rules, prefetch=self.prefetch, readers=self.loader_threads,
+            self.store, engine, planned, self.rules, prefetch=self.prefetch,
             first_layer=first_layer,
             on_damaged=self._on_damaged, on_done=count,
         )

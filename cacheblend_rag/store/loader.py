@@ -19,8 +19,6 @@ the damaged entry is deleted, counted and written anew (see ``ChunkCache``).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,15 +35,6 @@ from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.format import Manifest
 
 logger = logging.getLogger(__name__)
-
-
-def default_readers(device: torch.device) -> int:
-    """Loader threads a blend reads a store with. On a CPU one: the blend's own arithmetic needs the
-    cores, and it is slow enough that one reader keeps ahead of it. On a GPU a layer computes in about a
-    millisecond while a reader takes several to fetch, check and stage a layer of every chunk, so several
-    layers are read at once (a reader spends much of its time in the file system, sqlite and torch, which
-    release the GIL)."""
-    return 1 if device.type == "cpu" else max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 @dataclass
@@ -74,8 +63,7 @@ class PipelinedKVSource(CachedKVSource):
 
     ``prefetch=False`` reads each layer only when asked (the baseline the benchmark compares
     against). ``first_layer`` is the layer the blend will ask for first (its check layer, or 0
-    for full reuse); reading starts there as soon as the source is made. ``readers`` threads
-    read that many layers at once (``None``: :func:`default_readers`).
+    for full reuse); reading starts there as soon as the source is made.
     """
 
     def __init__(
@@ -90,25 +78,21 @@ class PipelinedKVSource(CachedKVSource):
         depth: int = 1,
         on_damaged: DamageHandler | None = None,
         on_done: DoneHandler | None = None,
-        readers: int | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
         self.rules = rules
         self.chunks = list(chunks)
         self.prefetch = prefetch
-        self.device = torch.device(engine.device)
-        self.readers = default_readers(self.device) if readers is None else max(1, int(readers))
-        self.depth = max(1, depth, self.readers)  # one layer in flight per reader
+        self.depth = max(1, depth)
         self.on_damaged = on_damaged
         self.on_done = on_done
+        self.device = torch.device(engine.device)
         self.dtype = engine.dtype
         self.num_layers = engine.num_layers
         self.wait_seconds = 0.0
         self.recompute_seconds = 0.0  # spent computing chunks whose stored copy could not be read
         self.bytes_read = 0
-        # Readers share the chunks' state: a chunk recomputed mid-load is recomputed once, by one of them.
-        self._lock = threading.Lock()
         self._futures: dict[int, Future] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
@@ -117,7 +101,7 @@ class PipelinedKVSource(CachedKVSource):
             self._stream = torch.cuda.Stream(device=self.device)
             self._fresh_ready = self._mark_fresh_ready()
         if prefetch and any(c.manifest is not None for c in self.chunks):
-            self._executor = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="cacheblend-kv-loader")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-loader")
             self._schedule(first_layer)
 
     # ------------------------------------------------------------ engine side
@@ -204,8 +188,7 @@ class PipelinedKVSource(CachedKVSource):
             try:
                 if isinstance(blob, CorruptEntryError):
                     raise blob
-                with self._lock:
-                    self.bytes_read += len(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else 0
+                self.bytes_read += len(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else 0
                 decoded[id(chunk)] = self.rules.layer(blob, chunk.manifest, index)
             except CorruptEntryError as exc:
                 unusable.append((chunk, exc))
@@ -248,23 +231,19 @@ class PipelinedKVSource(CachedKVSource):
             self._recompute(failed, index, damaged=False)
         return out
 
-    def _recompute_all(self, chunks: list[PlannedChunk]) -> list[PlannedChunk]:
-        """Fresh KV for ``chunks`` in one batch per prefix (the store failed; nothing is damaged). A chunk
-        another reader recomputed meanwhile is not computed again. Returns the chunks this call computed."""
-        with self._lock:
-            started = time.perf_counter()
-            by_prefix: dict[tuple[int, ...], list[PlannedChunk]] = {}
-            for chunk in chunks:
-                if chunk.fresh is None:
-                    by_prefix.setdefault(chunk.segment.prefix_ids, []).append(chunk)
-            for prefix, group in by_prefix.items():
-                fresh = self.engine.prefill_chunks([c.segment.token_ids for c in group], prefix_ids=prefix)
-                for chunk, kv in zip(group, fresh):
-                    chunk.fresh = kv
-            if self._stream is not None and by_prefix:
-                self._fresh_ready = self._mark_fresh_ready()
-            self.recompute_seconds += time.perf_counter() - started
-        return [chunk for group in by_prefix.values() for chunk in group]
+    def _recompute_all(self, chunks: list[PlannedChunk]) -> None:
+        """Fresh KV for ``chunks`` in one batch per prefix (the store failed; nothing is damaged)."""
+        started = time.perf_counter()
+        by_prefix: dict[tuple[int, ...], list[PlannedChunk]] = {}
+        for chunk in chunks:
+            by_prefix.setdefault(chunk.segment.prefix_ids, []).append(chunk)
+        for prefix, group in by_prefix.items():
+            fresh = self.engine.prefill_chunks([c.segment.token_ids for c in group], prefix_ids=prefix)
+            for chunk, kv in zip(group, fresh):
+                chunk.fresh = kv
+        if self._stream is not None:
+            self._fresh_ready = self._mark_fresh_ready()
+        self.recompute_seconds += time.perf_counter() - started
 
     def _recompute(self, unusable: list[tuple[PlannedChunk, CorruptEntryError | str]], index: int, *,
                    damaged: bool) -> None:
@@ -272,10 +251,8 @@ class PipelinedKVSource(CachedKVSource):
         for chunk, reason in unusable:
             log = logger.debug if isinstance(reason, MissingLayerError) else logger.warning
             log("stored KV of chunk %s... unusable at layer %d (%s); recomputing it", chunk.key[:12], index, reason)
-        computed = {id(chunk) for chunk in self._recompute_all([chunk for chunk, _ in unusable])}
+        self._recompute_all([chunk for chunk, _ in unusable])
         for chunk, reason in unusable:
-            if id(chunk) not in computed:
-                continue  # another reader found this chunk unusable first, and reported it
             chunk.damaged = str(reason) if damaged else None
             if self.on_damaged is not None and damaged:
                 self.on_damaged(chunk, reason if isinstance(reason, CorruptEntryError) else CorruptEntryError(reason),

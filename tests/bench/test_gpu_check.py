@@ -37,8 +37,7 @@ def test_every_step_runs_on_tiny_models_on_the_cpu(tmp_path):
     assert quality["checked"] and quality["passed"] and quality["store_round_trip"]["passed"]
     assert "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)" in [row["model"] for row in report["ttft"]]
     assert report["ttft"][-1]["model"].startswith("random Mistral-7B shape")
-    assert all(row["full prefill"] > 0 and row["default@0.15 (disk)"] > 0 and row["full reuse (disk, 1 reader)"] > 0
-               for row in report["ttft"])
+    assert all(row["full prefill"] > 0 and row["default@0.15 (disk)"] > 0 for row in report["ttft"])
     # The kernel profile runs on the quality model's stand-in.
     assert report["kernel_profile"][0]["model"] == "tiny Qwen2 (smoke, for qwen2.5-coder-1.5b)"
     assert report["kernel_profile"][0]["default@0.15"]["wall_ms_profiled"] > 0

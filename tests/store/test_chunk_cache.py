@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sqlite3
-import threading
 
 import pytest
 import torch
@@ -247,53 +245,6 @@ def test_corrupt_entry_is_detected_counted_deleted_and_recomputed(engine, disk_c
     again = engine.blend(stored, store=disk_cache)
     assert again.stats.cache_hits == 3 and disk_cache.stats().corrupt == 1
     torch.testing.assert_close(again.logits, result.logits, **EXACT)
-
-
-@pytest.mark.parametrize("selection", ["kv_deviation", "query_profiled"])
-def test_several_loader_threads_blend_exactly_and_report_a_chunk_damaged_in_every_layer_once(
-    engine, tmp_path, stored_prompt, chunk_ids, selection, caplog
-):
-    # Three readers hold three layers in flight: the damage is found by several of them at once.
-    stored, in_memory = stored_prompt
-    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", loader_threads=3)
-    cache.warm(TEXTS)
-    config = BlendConfig(recompute_ratio=0.3, selection=selection)
-    reference = engine.blend(in_memory, config=config)
-    torch.testing.assert_close(engine.blend(stored, store=cache, config=config).logits, reference.logits, **EXACT)
-    store: DiskKVStore = cache.store
-    key = cache.key_for(chunk_ids[1])
-    manifest = decode_manifest(store.get_manifest(key))
-    for layer in range(engine.num_layers):
-        blob = store.get_layer(key, manifest.write_id, layer)
-        store.put_layer(key, manifest.write_id, layer, blob[:-1] + bytes([blob[-1] ^ 1]))
-    reported, report = [], cache._on_damaged
-    cache._on_damaged = lambda chunk, reason, fresh: (reported.append(chunk.key), report(chunk, reason, fresh))
-    # Two readers at a time hold their damaged layer before either decodes it, so both find the damage.
-    together, fetch = threading.Barrier(2, timeout=2), store.get_layers
-
-    def fetch_in_pairs(requests):
-        found = fetch(requests)
-        with contextlib.suppress(threading.BrokenBarrierError):
-            together.wait()
-        return found
-
-    store.get_layers = fetch_in_pairs
-    with caplog.at_level(logging.WARNING):
-        result = engine.blend(stored, store=cache, config=config)
-        cache.flush()
-    store.get_layers = fetch
-    torch.testing.assert_close(result.logits, reference.logits, **EXACT)
-    assert result.stats.selected_positions == reference.stats.selected_positions
-    assert reported == [key] and cache.stats().corrupt == 1
-    again = engine.blend(stored, store=cache, config=config)
-    assert again.stats.cache_hits == 3 and cache.stats().corrupt == 1
-    cache.close()
-
-
-def test_loader_threads_must_be_a_small_positive_integer(engine):
-    for bad in (0, -1, 65, 2.5, True, "4"):
-        with pytest.raises(ConfigError, match="loader_threads"):
-            ChunkCache(engine, loader_threads=bad)
 
 
 def test_a_layer_lost_to_eviction_is_an_eviction_quietly_recomputed_not_corruption(
