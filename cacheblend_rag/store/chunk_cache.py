@@ -9,7 +9,9 @@ precomputes and writes chunk KV (:meth:`ChunkCache.warm`), and serves a blend
    their KV is written back to the store on a background thread, so the answer waits
    only for the computation;
 3. the rest is read layer by layer by a :class:`~cacheblend_rag.store.loader.PipelinedKVSource`,
-   one layer ahead of the blend.
+   one layer ahead of the blend;
+4. for a CUDA engine, chunks read (and verified) or computed are then kept in host memory
+   (:mod:`~cacheblend_rag.store.resident`), and later blends copy them from there without the store.
 
 Failures never fail a request. A damaged entry is logged, counted as ``corrupt``, deleted
 and recomputed; a store that cannot be read or written is treated as empty, with a
@@ -49,13 +51,14 @@ from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, codec_named, float_codec
+from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, codec_for_name, codec_named, float_codec
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
 from cacheblend_rag.store.format import Manifest, Tagger, UnauthenticatedReaderError, encode_layer, encode_manifest, value_digest
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
+from cacheblend_rag.store.resident import ResidentChunks, resident_budget
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +112,9 @@ class ChunkCache:
     ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
     ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring).
     ``prefetch=False`` turns off the layer read-ahead; ``write_back=False`` keeps missed chunks
-    out of the store.
+    out of the store. ``resident_bytes`` bounds the host-memory tier of chunks already read and verified
+    (or computed) here, which later blends copy from without touching the store
+    (:mod:`~cacheblend_rag.store.resident`; ``None``: 2 GiB for a CUDA engine, off on a CPU; 0: off).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class ChunkCache:
         auth_key: bytes | str | None = None,
         prefetch: bool = True,
         write_back: bool = True,
+        resident_bytes: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
@@ -140,6 +146,9 @@ class ChunkCache:
         self.storage_dtype = "auto" if self.codec is None else self.codec.name
         self.prefetch = prefetch
         self.write_back = write_back
+        device = torch.device(engine.device)
+        budget = resident_budget(resident_bytes, device)
+        self.resident = ResidentChunks(budget, pin=device.type == "cuda") if budget else None
         self.closed = False
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-writer")
         self._pending: set[Future] = set()
@@ -172,6 +181,8 @@ class ChunkCache:
 
     # ---------------------------------------------------------------- reads
     def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
+        if not keys:
+            return []
         try:
             return list(self.store.get_manifests(keys))
         except CorruptEntryError:
@@ -236,6 +247,16 @@ class ChunkCache:
         manifest = self._valid_manifest(key, self._fetch_manifests([key])[0], len(ids))
         if manifest is None:
             return None
+        layers = self._read_whole(key, manifest)
+        if layers is None:
+            return None
+        keys = [k.to(self.engine.device, copy=True) for k in layers[0]]
+        values = [v.to(self.engine.device, copy=True) for v in layers[1]]
+        return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
+
+    def _read_whole(self, key: str, manifest: Manifest) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer of a stored chunk, verified, in the engine's dtype on the host (views over the bytes
+        read); ``None`` if the store fails or the entry is damaged (which is then removed and counted)."""
         keys, values = [], []
         try:
             blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
@@ -243,15 +264,29 @@ class ChunkCache:
                 if isinstance(blob, CorruptEntryError):
                     raise blob
                 k, v = self.rules.layer(blob, manifest, i).unpacked(self.engine.dtype)
-                keys.append(k.to(self.engine.device, copy=True))
-                values.append(v.to(self.engine.device, copy=True))
+                keys.append(k)
+                values.append(v)
         except CorruptEntryError as exc:
             self._discard(key, exc)
             return None
         except (StoreError, OSError) as exc:
             self._warn("read", exc)
             return None
-        return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
+        return keys, values
+
+    def _keep_stored_resident(self, key: str, manifest: Manifest) -> None:
+        """Read a stored chunk a blend just used into the host-memory tier (on the writer thread: off the
+        blend's path, once per chunk)."""
+        if self.resident is None or key in self.resident:
+            return
+        layers = self._read_whole(key, manifest)
+        if layers is not None:
+            exact = codec_for_name(manifest.codec, manifest.group).exact_for(self.engine.dtype)
+            self.resident.put(key, self.resident.host_copy(*layers, self.engine.dtype, exact))
+
+    def _keep_computed_resident(self, key: str, chunk: ChunkKV) -> None:
+        if self.resident is not None and key not in self.resident:
+            self.resident.put(key, self.resident.host_copy(chunk.keys, chunk.values, self.engine.dtype, True))
 
     def open_source(
         self, engine: Any, segments: Sequence[StoredSegment], *, first_layer: int | None = None
@@ -262,11 +297,15 @@ class ChunkCache:
         by default it is derived from the engine's own config."""
         fingerprint = engine.fingerprint  # once per request: it checks the weights
         keys = [self.key_for(s.token_ids, s.prefix_ids, fingerprint=fingerprint) for s in segments]
-        manifests = self._fetch_manifests(keys)
+        resident = [self.resident.get(key) if self.resident is not None else None for key in keys]
+        unread = iter(self._fetch_manifests([key for key, held in zip(keys, resident) if held is None]))
         plans: list[PlannedChunk | None] = []
         missing: list[int] = []
-        for i, (segment, key, data) in enumerate(zip(segments, keys, manifests)):
-            manifest = self._valid_manifest(key, data, len(segment.token_ids))
+        for i, (segment, key, held) in enumerate(zip(segments, keys, resident)):
+            if held is not None:
+                plans.append(PlannedChunk(segment, key, resident=held))
+                continue
+            manifest = self._valid_manifest(key, next(unread), len(segment.token_ids))
             if manifest is None:
                 missing.append(i)
                 plans.append(None)
@@ -278,7 +317,7 @@ class ChunkCache:
             self._submit_write(keys[i], chunk)
         hits, misses = len(segments) - len(missing), len(missing)
         planned = [p for p in plans if p is not None]
-        if not any(p.manifest is not None for p in planned):
+        if all(p.fresh is not None for p in planned):
             self._submit(self._record, misses=misses)
             return InMemoryKVSource(fresh, engine.device, engine.dtype, computed=True), hits, misses
         if first_layer is None:
@@ -286,6 +325,9 @@ class ChunkCache:
 
         def count(load_failures: int) -> None:  # once the blend is done: only then is a hit known to be one
             self._submit(self._record, hits=hits - load_failures, misses=misses, load_failures=load_failures)
+            for plan in planned:
+                if plan.manifest is not None and plan.fresh is None and self.resident is not None:
+                    self._submit(self._keep_stored_resident, plan.key, plan.manifest)
 
         source = PipelinedKVSource(
             self.store, engine, planned, self.rules, prefetch=self.prefetch,
@@ -377,6 +419,8 @@ class ChunkCache:
     def _submit_write(self, key: str, chunk: ChunkKV) -> None:
         if self.write_back:
             self._submit(self._write_logged, key, chunk)
+        if self.resident is not None:
+            self._submit(self._keep_computed_resident, key, chunk)
 
     def _record(self, **counts: int) -> None:
         try:

@@ -33,23 +33,32 @@ from cacheblend_rag.store.codec import PackedLayer, codec_for_name, staged
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.format import Manifest
+from cacheblend_rag.store.resident import ResidentChunk
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class PlannedChunk:
-    """One chunk of the prompt: read from the store (``manifest``) or already computed (``fresh``)."""
+    """One chunk of the prompt: read from the store (``manifest``), already computed (``fresh``), or
+    verified earlier and kept in host memory (``resident``)."""
 
     segment: StoredSegment
     key: str
     manifest: Manifest | None = None
     fresh: ChunkKV | None = None
+    resident: ResidentChunk | None = None
     damaged: str | None = field(default=None)  # why the stored copy was abandoned mid-load
 
     def __post_init__(self) -> None:
-        if (self.manifest is None) == (self.fresh is None):
-            raise ValueError("a planned chunk needs exactly one of manifest (stored) or fresh (computed)")
+        if sum(x is not None for x in (self.manifest, self.fresh, self.resident)) != 1:
+            raise ValueError("a planned chunk needs exactly one of manifest (stored), fresh (computed) "
+                             "or resident (kept in host memory)")
+
+    @property
+    def stored(self) -> bool:
+        """Still to be read from the store (not computed, not resident)."""
+        return self.fresh is None and self.resident is None
 
 
 # Called with (chunk, what was wrong, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
@@ -100,7 +109,7 @@ class PipelinedKVSource(CachedKVSource):
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
             self._fresh_ready = self._mark_fresh_ready()
-        if prefetch and any(c.manifest is not None for c in self.chunks):
+        if prefetch and any(c.stored for c in self.chunks):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-loader")
             self._schedule(first_layer)
 
@@ -143,7 +152,8 @@ class PipelinedKVSource(CachedKVSource):
     def lossless(self) -> list[bool]:
         # Fresh chunks are what the engine computed; stored ones are exact only in a codec that keeps
         # the compute dtype's values (a float32 model's KV stored at 16 bits is not).
-        return [c.fresh is not None or codec_for_name(c.manifest.codec, c.manifest.group).exact_for(self.dtype)
+        return [c.fresh is not None or (c.resident.exact if c.resident is not None else
+                                        codec_for_name(c.manifest.codec, c.manifest.group).exact_for(self.dtype))
                 for c in self.chunks]
 
     @property
@@ -178,7 +188,7 @@ class PipelinedKVSource(CachedKVSource):
     def _load(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         """Layer ``index`` of every chunk, on the engine's device (in its dtype on CUDA; a float codec
         as stored on a CPU, where the engine converts while rotating). Runs on the loader thread."""
-        stored = [c for c in self.chunks if c.fresh is None]
+        stored = [c for c in self.chunks if c.stored]
         blobs = self._fetch(stored, index)
         decoded: dict[int, PackedLayer] = {}
         unusable: list[tuple[PlannedChunk, CorruptEntryError]] = []
@@ -198,6 +208,8 @@ class PipelinedKVSource(CachedKVSource):
         for chunk in self.chunks:
             if chunk.fresh is not None:
                 layers.append((chunk.fresh.keys[index], chunk.fresh.values[index]))
+            elif chunk.resident is not None:
+                layers.append((chunk.resident.keys[index], chunk.resident.values[index]))
             else:
                 layers.append(decoded[id(chunk)])
         return self._to_device(layers)
@@ -262,7 +274,7 @@ class PipelinedKVSource(CachedKVSource):
         self, layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         """K and V of each chunk's layer on the engine's device. ``layers`` holds a stored chunk's
-        :class:`PackedLayer` or a fresh chunk's (K, V)."""
+        :class:`PackedLayer`, or a fresh chunk's (K, V) on the device or a resident one's in host memory."""
         if self._stream is None:
             keys, values = [], []
             for layer in layers:
@@ -276,7 +288,7 @@ class PipelinedKVSource(CachedKVSource):
         # CUDA: copy the stored bytes (16 bits, or 8 or 4 and their scales) from pinned memory on a
         # side stream and expand or convert on the device. Freshly computed chunks are already
         # there; the side stream waits for exactly their kernels (an event), never for the blend's
-        # own work, or the overlap would be lost.
+        # own work, or the overlap would be lost. Resident chunks are copied from page-locked memory.
         if any(not isinstance(layer, PackedLayer) for layer in layers):
             self._stream.wait_event(self._fresh_ready)
         keys, values = [], []
@@ -286,8 +298,8 @@ class PipelinedKVSource(CachedKVSource):
             for layer in layers:
                 if isinstance(layer, PackedLayer):
                     layer = next(moved).unpacked(self.dtype)
-                keys.append(layer[0].to(self.dtype))
-                values.append(layer[1].to(self.dtype))
+                keys.append(layer[0].to(self.device, self.dtype, non_blocking=True))
+                values.append(layer[1].to(self.device, self.dtype, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self._stream)
         return keys, values, event

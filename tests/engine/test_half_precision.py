@@ -146,6 +146,28 @@ def test_store_round_trip_is_lossless_at_the_models_dtype(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+def test_chunks_kept_in_host_memory_blend_exactly_as_from_memory(dtype):
+    """The host-memory tier (page-locked on CUDA, copied on the loader's side stream) serves what the
+    store held, bit for bit, and a blend it serves reads nothing from the store."""
+    engine = tiny_engine("llama", dtype=dtype, device=DEVICE)
+    segments, _, chunks = prompt(engine)
+    from_store = [segments[0], *(StoredSegment(c.token_ids) for c in chunks), segments[-1]]
+    with ChunkCache(engine, "memory", resident_bytes=1 << 30) as cache:
+        cache.warm(CHUNKS)
+        for ratio in (0.0, 0.15):
+            engine.blend(from_store, config=BlendConfig(recompute_ratio=ratio), store=cache)
+        cache.flush()
+        assert cache.resident.stats()["entries"] == len(chunks)
+        cache.store.get_layers = cache.store.get_layer = None  # any read would fail the blend loudly
+        for ratio in (0.0, 0.15, 1.0):
+            cfg = BlendConfig(recompute_ratio=ratio)
+            a = engine.blend(segments, config=cfg)
+            b = engine.blend(from_store, config=cfg, store=cache)
+            assert b.stats.cache_hits == len(chunks) and b.stats.cache_misses == 0
+            assert torch.equal(a.logits, b.logits) and a.stats.selected_positions == b.stats.selected_positions
+
+
+@pytest.mark.parametrize("dtype", HALF)
 def test_the_correctness_gate_passes_in_half_precision(dtype):
     engine = tiny_engine("llama", seed=7, dtype=dtype, device=DEVICE)
     passed, error = engine.run_gate(BlendConfig())

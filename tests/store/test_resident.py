@@ -1,0 +1,112 @@
+"""The host-memory tier (``ChunkCache(resident_bytes=...)``): chunks read and verified once, or computed,
+are served from host memory, exactly, without the store; bounded by bytes; off on a CPU by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store.errors import StoreError
+from cacheblend_rag.store.format import decode_manifest
+
+from kvstore_samples import TEXTS
+
+EXACT = dict(atol=1e-5, rtol=1e-5)
+CONFIGS = [BlendConfig(recompute_ratio=0.3, selection="kv_deviation"),  # reads from its check layer on
+           BlendConfig(recompute_ratio=0.3, selection="query_profiled"),  # reads every layer
+           BlendConfig(recompute_ratio=0.0)]
+
+
+def _store_off(store: DiskKVStore) -> list[str]:
+    """Make every read of ``store`` fail, and record the attempts."""
+    attempts: list[str] = []
+
+    def refuse(*args, **kwargs):
+        attempts.append("read")
+        raise StoreError("this store must not be read")
+
+    store.get_layer = store.get_layers = store.get_manifest = store.get_manifests = refuse
+    return attempts
+
+
+@pytest.mark.parametrize("storage_dtype", ["float32", "int8"])
+def test_a_chunk_read_once_is_served_from_host_memory_exactly_without_the_store(
+    engine, tmp_path, stored_prompt, storage_dtype
+):
+    stored, _ = stored_prompt
+    with ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype=storage_dtype, resident_bytes=0) as writer:
+        writer.warm(TEXTS)
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype=storage_dtype, resident_bytes=1 << 30)
+    from_store = [engine.blend(stored, store=cache, config=config) for config in CONFIGS]
+    cache.flush()
+    assert cache.resident.stats()["entries"] == 3
+    attempts, hits = _store_off(cache.store), cache.resident.stats()["hits"]
+    for config, expected in zip(CONFIGS, from_store):
+        result = engine.blend(stored, store=cache, config=config)
+        assert (result.stats.cache_hits, result.stats.cache_misses) == (3, 0)
+        assert result.stats.selected_positions == expected.stats.selected_positions
+        torch.testing.assert_close(result.logits, expected.logits, atol=0, rtol=0)
+    assert attempts == [] and cache.resident.stats()["hits"] == hits + 3 * len(CONFIGS)
+    cache.close()
+
+
+def test_computed_chunks_are_kept_too_and_equal_the_in_memory_blend(engine, tmp_path, stored_prompt):
+    stored, in_memory = stored_prompt
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=1 << 30)
+    first = engine.blend(stored, store=cache)
+    assert first.stats.cache_misses == 3
+    cache.flush()
+    _store_off(cache.store)
+    again = engine.blend(stored, store=cache)
+    assert (again.stats.cache_hits, again.stats.cache_misses) == (3, 0)
+    torch.testing.assert_close(again.logits, engine.blend(in_memory).logits, **EXACT)
+    cache.close()
+
+
+def test_a_resident_chunk_is_not_read_again_so_later_damage_in_the_store_costs_nothing(
+    engine, tmp_path, stored_prompt, chunk_ids
+):
+    stored, in_memory = stored_prompt
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=1 << 30)
+    cache.warm(TEXTS)
+    engine.blend(stored, store=cache)
+    cache.flush()
+    store: DiskKVStore = cache.store
+    key = cache.key_for(chunk_ids[0])
+    manifest = decode_manifest(store.get_manifest(key))
+    blob = store.get_layer(key, manifest.write_id, 1)
+    store.put_layer(key, manifest.write_id, 1, blob[:-1] + bytes([blob[-1] ^ 1]))
+    result = engine.blend(stored, store=cache)
+    torch.testing.assert_close(result.logits, engine.blend(in_memory).logits, **EXACT)
+    assert cache.stats().corrupt == 0
+    cache.close()
+
+
+def test_the_tier_is_bounded_by_bytes_least_recently_used_first(engine, tmp_path, stored_prompt, chunk_ids):
+    stored, in_memory = stored_prompt
+    probe = ChunkCache(engine, DiskKVStore(tmp_path / "probe"), resident_bytes=1 << 30)
+    engine.blend([*stored[:2], stored[-1]], store=probe)  # the first chunk alone, to learn one chunk's size
+    probe.flush()
+    one = probe.resident.stats()["bytes"]
+    probe.close()
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=2 * one)
+    engine.blend(stored, store=cache)
+    cache.flush()
+    stats = cache.resident.stats()
+    assert stats["entries"] <= 2 and stats["bytes"] <= 2 * one
+    assert cache.key_for(chunk_ids[2]) in cache.resident  # the most recent stays
+    torch.testing.assert_close(engine.blend(stored, store=cache).logits, engine.blend(in_memory).logits, **EXACT)
+    cache.close()
+
+
+def test_off_on_a_cpu_by_default_and_a_bad_bound_is_refused(engine):
+    with ChunkCache(engine) as cache:
+        assert cache.resident is None
+    with ChunkCache(engine, resident_bytes=0) as cache:
+        assert cache.resident is None
+    for bad in (-1, True, "1 GiB", 1.5):
+        with pytest.raises(ConfigError, match="resident_bytes"):
+            ChunkCache(engine, resident_bytes=bad)
