@@ -279,6 +279,10 @@ class ChunkCache:
         blend's path, once per chunk)."""
         if self.resident is None or key in self.resident:
             return
+        itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
+        if 2 * manifest.num_layers * manifest.kv_heads * manifest.num_tokens * manifest.head_dim * itemsize \
+                > self.resident.max_bytes:
+            return  # it could never be kept: not worth reading again
         layers = self._read_whole(key, manifest)
         if layers is not None:
             exact = codec_for_name(manifest.codec, manifest.group).exact_for(self.engine.dtype)

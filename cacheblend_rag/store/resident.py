@@ -9,6 +9,11 @@ dtype, page-locked for a CUDA engine, so that a later blend copies it layer by l
 access at all: LMCache's CPU-memory tier, in front of our disk, memory or Redis store. Nothing here
 ever came from outside the process unverified, so nothing here is checked again.
 
+A stored chunk becomes resident after the blend that first used it: the cache's writer thread reads it
+once more, whole (the blend itself may have skipped layers), off the blend's path. A chunk that could
+never fit is not read for it. A working set larger than the bound makes every blend's chunks be read
+again in the background as they come and go, as any cache that thrashes would.
+
 Bounded by bytes, least recently used first.
 """
 

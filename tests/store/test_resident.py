@@ -110,3 +110,19 @@ def test_off_on_a_cpu_by_default_and_a_bad_bound_is_refused(engine):
     for bad in (-1, True, "1 GiB", 1.5):
         with pytest.raises(ConfigError, match="resident_bytes"):
             ChunkCache(engine, resident_bytes=bad)
+
+
+def test_a_chunk_larger_than_the_whole_tier_is_not_read_again_for_it(engine, tmp_path, stored_prompt):
+    stored, in_memory = stored_prompt
+    with ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=0) as writer:
+        writer.warm(TEXTS)
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=64)
+    reads, fetch = [], cache.store.get_layers
+    cache.store.get_layers = lambda requests: (reads.append(len(requests)), fetch(requests))[1]
+    result = engine.blend(stored, store=cache, config=BlendConfig(recompute_ratio=0.0))
+    cache.flush()
+    assert cache.resident.stats()["entries"] == 0
+    assert sum(reads) == 3 * engine.num_layers  # the blend's own reads, none for the tier
+    torch.testing.assert_close(result.logits, engine.blend(in_memory, config=BlendConfig(recompute_ratio=0.0)).logits,
+                               **EXACT)
+    cache.close()
