@@ -280,8 +280,8 @@ class ChunkCache:
         if self.resident is None or key in self.resident:
             return
         itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
-        if 2 * manifest.num_layers * manifest.kv_heads * manifest.num_tokens * manifest.head_dim * itemsize \
-                > self.resident.max_bytes:
+        size = 2 * manifest.num_layers * manifest.kv_heads * manifest.num_tokens * manifest.head_dim * itemsize
+        if self.resident.footprint(size) > self.resident.max_bytes:
             return  # it could never be kept: not worth reading again
         layers = self._read_whole(key, manifest)
         if layers is not None:

@@ -33,15 +33,12 @@ DEFAULT_CUDA_BYTES = 2 << 30
 @dataclass(frozen=True)
 class ResidentChunk:
     """One chunk's K and V, ``[layers, kv_heads, tokens, head_dim]`` each; ``exact``: equal to what the
-    engine computes (not expanded from a lossy codec)."""
+    engine computes (not expanded from a lossy codec); ``nbytes``: the host memory it holds."""
 
     keys: torch.Tensor
     values: torch.Tensor
     exact: bool
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+    nbytes: int
 
 
 def resident_budget(max_bytes: int | None, device: torch.device) -> int:
@@ -78,17 +75,20 @@ class ResidentChunks:
         with self._lock:
             return key in self._chunks
 
+    def footprint(self, nbytes: int) -> int:
+        """Host memory an allocation of ``nbytes`` holds: torch's page-locked allocator rounds each up to a
+        power of two, so the bound counts what is really held, not what the tensors need."""
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pin else nbytes
+
     def host_copy(self, keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype,
                   exact: bool) -> ResidentChunk:
-        """Per-layer K and V (anywhere, any dtype) stacked into one host tensor each, page-locked when
-        this tier pins."""
-        def stacked(layers: list[torch.Tensor]) -> torch.Tensor:
-            out = torch.empty((len(layers), *layers[0].shape), dtype=dtype, pin_memory=self.pin)
-            for i, layer in enumerate(layers):
-                out[i].copy_(layer)
-            return out
-
-        return ResidentChunk(stacked(keys), stacked(values), exact)
+        """Per-layer K and V (anywhere, any dtype) stacked into one host allocation, page-locked when this
+        tier pins."""
+        both = torch.empty((2, len(keys), *keys[0].shape), dtype=dtype, pin_memory=self.pin)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            both[0, i].copy_(k)
+            both[1, i].copy_(v)
+        return ResidentChunk(both[0], both[1], exact, self.footprint(both.numel() * both.element_size()))
 
     def put(self, key: str, chunk: ResidentChunk) -> bool:
         """Keep ``chunk`` (the least recently used go to make room); ``False`` if it alone is over the bound."""

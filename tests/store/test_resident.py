@@ -126,3 +126,16 @@ def test_a_chunk_larger_than_the_whole_tier_is_not_read_again_for_it(engine, tmp
     torch.testing.assert_close(result.logits, engine.blend(in_memory, config=BlendConfig(recompute_ratio=0.0)).logits,
                                **EXACT)
     cache.close()
+
+
+def test_page_locked_memory_is_counted_as_the_allocator_holds_it():
+    # torch's page-locked allocator rounds each allocation up to a power of two; the bound counts that.
+    from cacheblend_rag.store.resident import ResidentChunks
+
+    pinned, plain = ResidentChunks(1 << 30, pin=True), ResidentChunks(1 << 30, pin=False)
+    assert [pinned.footprint(n) for n in (1, 4096, 4097, 3 << 20)] == [1, 4096, 8192, 4 << 20]
+    assert plain.footprint(4097) == 4097
+    layers = [torch.ones(2, 3, 4) for _ in range(5)]
+    kept = plain.host_copy(layers, [2 * t for t in layers], torch.float32, exact=True)
+    assert kept.nbytes == 2 * 5 * 2 * 3 * 4 * 4 and kept.keys.shape == (5, 2, 3, 4)
+    assert torch.equal(kept.values[3], 2 * layers[3])
