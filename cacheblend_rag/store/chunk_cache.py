@@ -542,12 +542,16 @@ class ChunkCache:
     # --------------------------------------------------------------- admin
     def stats(self) -> StoreStats:
         """The store's stats once background writes are done; never raises (``available=False`` and
-        ``error`` say that the store could not be asked)."""
+        ``error`` say that the store could not be asked). With a host-memory tier, ``details["resident"]``
+        holds its entries, bytes held, bound and hits."""
         self.flush()
         try:
-            return self.store.stats()
+            stats = self.store.stats()
         except (StoreError, OSError) as exc:
-            return StoreStats(available=False, error=str(exc), details={"store": self.store.describe()})
+            stats = StoreStats(available=False, error=str(exc), details={"store": self.store.describe()})
+        if self.resident is not None:  # the host-memory tier; its hits are also among the store's ``hits``
+            stats.details["resident"] = self.resident.stats()
+        return stats
 
     def close(self) -> None:
         """Finish background writes; close the store if this cache opened it from a spec."""

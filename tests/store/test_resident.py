@@ -50,6 +50,8 @@ def test_a_chunk_read_once_is_served_from_host_memory_exactly_without_the_store(
         assert result.stats.selected_positions == expected.stats.selected_positions
         torch.testing.assert_close(result.logits, expected.logits, atol=0, rtol=0)
     assert attempts == [] and cache.resident.stats()["hits"] == hits + 3 * len(CONFIGS)
+    resident = cache.stats().details["resident"]
+    assert resident["entries"] == 3 and 0 < resident["bytes"] <= resident["max_bytes"] == 1 << 30
     cache.close()
 
 
