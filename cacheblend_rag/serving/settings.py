@@ -97,6 +97,12 @@ class CacheBlendSettings(BaseModel):
     store_size_limit: Optional[Union[int, str]] = Field(
         default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'); None: unbounded."
     )
+    resident_bytes: Optional[Union[int, str]] = Field(
+        default=None,
+        description="Bound on the host-memory tier in front of the store, in bytes or with a unit ('4GB'): chunks "
+        "already read (and verified) or computed, kept page-locked so that later blends copy them without the store. "
+        "None: 2 GiB on a GPU, off on a CPU; 0 disables it.",
+    )
     storage_dtype: str = Field(
         default="auto",
         description="How chunk KV is stored: 'auto' (16 bits), 'float16', 'bfloat16', 'float32', or quantized 'int8' "
@@ -291,6 +297,14 @@ class CacheBlendSettings(BaseModel):
             raise ValueError(f"{info.field_name}={value!r} must be a size >= 0, e.g. 256MB, or 0 to disable it")
         return value
 
+    @field_validator("resident_bytes")
+    @classmethod
+    def _resident_size_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
+        if value is not None and (isinstance(value, bool) or parse_size(value) < 0):
+            raise ValueError(f"resident_bytes={value!r} must be a size >= 0, e.g. 4GB, 0 to disable the host-memory "
+                             "tier, or None for the device's default")
+        return value
+
     @field_validator("store_size_limit")
     @classmethod
     def _size_limit_is_understood(cls, value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
@@ -331,7 +345,7 @@ class CacheBlendSettings(BaseModel):
             key = self.store_key.get_secret_value() if self.store_key is not None else None
             self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
                                                size_limit=self.store_size_limit, storage_dtype=self.storage_dtype,
-                                               auth_key=key)
+                                               auth_key=key, resident_bytes=self.resident_bytes)
         prefix_cache = prefix_cache_for(engine, self.chunk_cache, parse_size(self.prefix_cache_bytes),
                                         in_store=self.prefix_cache_in_store)
         segment_cache = segment_cache_for(engine, parse_size(self.segment_cache_bytes))

@@ -33,7 +33,8 @@ def test_both_integrations_expose_every_blend_field_with_the_same_default():
 
 @pytest.mark.parametrize("field, value", [("recompute_ratio", 1.5), ("selection", "nope"), ("profile_tokens", 0),
                                           ("storage_dtype", "int3"),
-                                          ("deviation", "both"), ("check_layer", 9), ("store_size_limit", "lots")])
+                                          ("deviation", "both"), ("check_layer", 9), ("store_size_limit", "lots"),
+                                          ("resident_bytes", -1)])
 def test_both_integrations_refuse_a_bad_value_with_the_same_message(engine, field, value):
     messages = []
     for cls in (CacheBlendLLM, ChatCacheBlend):
@@ -102,3 +103,12 @@ def test_both_integrations_store_chunks_in_the_codec_asked_for(engine):
         assert quantized.chunk_cache is not cls(engine=engine).chunk_cache  # another key space
         with pytest.raises(ValidationError, match="storage_dtype='int3' is not supported"):
             cls(engine=engine, storage_dtype="int3")
+
+
+def test_both_integrations_size_the_host_memory_tier_as_asked(engine):
+    for cls in (CacheBlendLLM, ChatCacheBlend):
+        assert cls(engine=engine).chunk_cache.resident is None  # off on a CPU by default
+        held = cls(engine=engine, resident_bytes="64MB")
+        assert held.chunk_cache.resident.max_bytes == 64_000_000
+        assert held.chunk_cache is cls(engine=engine, resident_bytes=64_000_000).chunk_cache
+        assert held.chunk_cache is not cls(engine=engine).chunk_cache
