@@ -51,7 +51,7 @@ from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, codec_for_name, codec_named, float_codec
+from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_for_name, codec_named, float_codec
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
@@ -274,23 +274,38 @@ class ChunkCache:
             return None
         return keys, values
 
-    def _keep_stored_resident(self, key: str, manifest: Manifest) -> None:
-        """Read a stored chunk a blend just used into the host-memory tier (on the writer thread: off the
-        blend's path, once per chunk)."""
+    def _keep_stored_resident(self, key: str, manifest: Manifest, read: dict[int, PackedLayer]) -> None:
+        """Keep a stored chunk a blend just read in the host-memory tier: the layers it read (checked then)
+        copied, the ones it skipped read now (on the writer thread: off the blend's path)."""
         if self.resident is None or key in self.resident:
             return
-        itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
-        size = 2 * manifest.num_layers * manifest.kv_heads * manifest.num_tokens * manifest.head_dim * itemsize
-        if self.resident.footprint(size) > self.resident.max_bytes:
-            return  # it could never be kept: not worth reading again
-        layers = self._read_whole(key, manifest)
-        if layers is not None:
-            exact = codec_for_name(manifest.codec, manifest.group).exact_for(self.engine.dtype)
-            self.resident.put(key, self.resident.host_copy(*layers, self.engine.dtype, exact))
+        exact = codec_for_name(manifest.codec, manifest.group).exact_for(self.engine.dtype)
+        capture = self.resident.capture(manifest.num_layers, manifest.layer_shape, self.engine.dtype, exact)
+        if capture is None:
+            return  # it could never be kept
+        for i, packed in read.items():
+            capture.add(i, *packed.unpacked(self.engine.dtype if packed.codec.lossy else None))
+        missing = capture.missing()
+        try:
+            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in missing]) if missing else []
+            for i, blob in zip(missing, blobs):
+                if isinstance(blob, CorruptEntryError):
+                    raise blob
+                packed = self.rules.layer(blob, manifest, i)
+                capture.add(i, *packed.unpacked(self.engine.dtype if packed.codec.lossy else None))
+        except CorruptEntryError as exc:
+            self._discard(key, exc)
+            return
+        except (StoreError, OSError) as exc:
+            self._warn("read", exc)
+            return
+        self.resident.put(key, capture.chunk())
 
     def _keep_computed_resident(self, key: str, chunk: ChunkKV) -> None:
         if self.resident is not None and key not in self.resident:
-            self.resident.put(key, self.resident.host_copy(chunk.keys, chunk.values, self.engine.dtype, True))
+            kept = self.resident.host_copy(chunk.keys, chunk.values, self.engine.dtype, True)
+            if kept is not None:
+                self.resident.put(key, kept)
 
     def open_source(
         self, engine: Any, segments: Sequence[StoredSegment], *, first_layer: int | None = None
@@ -327,14 +342,14 @@ class ChunkCache:
         if first_layer is None:
             first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
 
-        def count(load_failures: int) -> None:  # once the blend is done: only then is a hit known to be one
+        def count(load_failures: int, read: list[tuple[PlannedChunk, dict[int, PackedLayer]]]) -> None:
+            # Once the blend is done: only then is a hit known to be one.
             self._submit(self._record, hits=hits - load_failures, misses=misses, load_failures=load_failures)
-            for plan in planned:
-                if plan.manifest is not None and plan.fresh is None and self.resident is not None:
-                    self._submit(self._keep_stored_resident, plan.key, plan.manifest)
+            for plan, layers in read:
+                self._submit(self._keep_stored_resident, plan.key, plan.manifest, layers)
 
         source = PipelinedKVSource(
-            self.store, engine, planned, self.rules, prefetch=self.prefetch,
+            self.store, engine, planned, self.rules, prefetch=self.prefetch, keep_layers=self.resident is not None,
             first_layer=first_layer,
             on_damaged=self._on_damaged, on_done=count,
         )

@@ -63,8 +63,9 @@ class PlannedChunk:
 
 # Called with (chunk, what was wrong, fresh ChunkKV) when a stored chunk had to be recomputed mid-load.
 DamageHandler = Callable[[PlannedChunk, CorruptEntryError, ChunkKV], None]
-# Called once when the blend is done, with the number of stored chunks that had to be recomputed.
-DoneHandler = Callable[[int], None]
+# Called once when the blend is done, with the number of stored chunks that had to be recomputed and (with
+# ``keep_layers``) each stored chunk read without damage, with the checked layers read of it.
+DoneHandler = Callable[[int, list[tuple["PlannedChunk", dict[int, PackedLayer]]]], None]
 
 
 class PipelinedKVSource(CachedKVSource):
@@ -72,7 +73,9 @@ class PipelinedKVSource(CachedKVSource):
 
     ``prefetch=False`` reads each layer only when asked (the baseline the benchmark compares
     against). ``first_layer`` is the layer the blend will ask for first (its check layer, or 0
-    for full reuse); reading starts there as soon as the source is made.
+    for full reuse); reading starts there as soon as the source is made. With ``keep_layers``
+    every stored layer read and checked is also kept (a reference to the bytes read, no copy)
+    and handed to ``on_done``, for the host-memory tier.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class PipelinedKVSource(CachedKVSource):
         depth: int = 1,
         on_damaged: DamageHandler | None = None,
         on_done: DoneHandler | None = None,
+        keep_layers: bool = False,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -96,6 +100,8 @@ class PipelinedKVSource(CachedKVSource):
         self.depth = max(1, depth)
         self.on_damaged = on_damaged
         self.on_done = on_done
+        self.keep_layers = keep_layers
+        self._kept: dict[int, dict[int, PackedLayer]] = {}  # id(chunk) -> layer -> what was read and checked
         self.device = torch.device(engine.device)
         self.dtype = engine.dtype
         self.num_layers = engine.num_layers
@@ -167,7 +173,10 @@ class PipelinedKVSource(CachedKVSource):
     def close(self) -> None:
         if self.on_done is not None:
             done, self.on_done = self.on_done, None
-            done(self.load_failures)
+            # Copies: a read-ahead still in flight may add a layer while the writer thread reads these.
+            kept = [(c, dict(self._kept[id(c)])) for c in self.chunks
+                    if c.manifest is not None and c.fresh is None and id(c) in self._kept]
+            done(self.load_failures, kept)
         if self._executor is not None:
             for future in self._futures.values():
                 future.cancel()
@@ -204,6 +213,10 @@ class PipelinedKVSource(CachedKVSource):
                 unusable.append((chunk, exc))
         if unusable:  # in one batch: keys flushed or evicted mid-read take every chunk at once
             self._recompute(unusable, index, damaged=True)
+        if self.keep_layers:
+            for chunk in stored:
+                if chunk.fresh is None:
+                    self._kept.setdefault(id(chunk), {})[index] = decoded[id(chunk)]
         layers: list[PackedLayer | tuple[torch.Tensor, torch.Tensor]] = []
         for chunk in self.chunks:
             if chunk.fresh is not None:

@@ -9,16 +9,17 @@ dtype, page-locked for a CUDA engine, so that a later blend copies it layer by l
 access at all: LMCache's CPU-memory tier, in front of our disk, memory or Redis store. Nothing here
 ever came from outside the process unverified, so nothing here is checked again.
 
-A stored chunk becomes resident after the blend that first used it: the cache's writer thread reads it
-once more, whole (the blend itself may have skipped layers), off the blend's path. A chunk that could
-never fit is not read for it. A working set larger than the bound makes every blend's chunks be read
-again in the background as they come and go, as any cache that thrashes would.
+A stored chunk becomes resident from the blend that first reads it: the loader keeps the layers it read
+and checked (references to the bytes, no copy on the blend's path), and when the blend is done the cache's
+writer thread copies them into the chunk's host allocation (a :class:`Capture`) and reads only the layers
+the blend skipped (a deviation blend starts at its check layer). A chunk that could never fit is not kept.
 
 Bounded by bytes, least recently used first.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,6 +40,27 @@ class ResidentChunk:
     values: torch.Tensor
     exact: bool
     nbytes: int
+
+
+class Capture:
+    """A chunk's host allocation, filled layer by layer (on the cache's writer thread) before it is kept."""
+
+    def __init__(self, both: torch.Tensor, nbytes: int, exact: bool) -> None:
+        self.both = both  # [2 (K, V), layers, kv_heads, tokens, head_dim]
+        self.nbytes = nbytes
+        self.exact = exact
+        self.layers: set[int] = set()
+
+    def add(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.both[0, index].copy_(keys)
+        self.both[1, index].copy_(values)
+        self.layers.add(index)
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.both.shape[1]) if i not in self.layers]
+
+    def chunk(self) -> ResidentChunk:
+        return ResidentChunk(self.both[0], self.both[1], self.exact, self.nbytes)
 
 
 def resident_budget(max_bytes: int | None, device: torch.device) -> int:
@@ -80,15 +102,24 @@ class ResidentChunks:
         power of two, so the bound counts what is really held, not what the tensors need."""
         return 1 << max(nbytes - 1, 0).bit_length() if self.pin else nbytes
 
+    def capture(self, num_layers: int, shape: tuple[int, int, int], dtype: torch.dtype, exact: bool) -> Capture | None:
+        """An empty host allocation for a chunk of ``num_layers`` layers of K and V ``shape`` (kv_heads,
+        tokens, head_dim), page-locked when this tier pins; ``None`` if such a chunk could never be kept."""
+        size = 2 * num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.footprint(size) > self.max_bytes:
+            return None
+        both = torch.empty((2, num_layers, *shape), dtype=dtype, pin_memory=self.pin)
+        return Capture(both, self.footprint(size), exact)
+
     def host_copy(self, keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype,
-                  exact: bool) -> ResidentChunk:
-        """Per-layer K and V (anywhere, any dtype) stacked into one host allocation, page-locked when this
-        tier pins."""
-        both = torch.empty((2, len(keys), *keys[0].shape), dtype=dtype, pin_memory=self.pin)
+                  exact: bool) -> ResidentChunk | None:
+        """Per-layer K and V (anywhere, any dtype) in one host allocation; ``None`` if it could never be kept."""
+        held = self.capture(len(keys), tuple(keys[0].shape), dtype, exact)
+        if held is None:
+            return None
         for i, (k, v) in enumerate(zip(keys, values)):
-            both[0, i].copy_(k)
-            both[1, i].copy_(v)
-        return ResidentChunk(both[0], both[1], exact, self.footprint(both.numel() * both.element_size()))
+            held.add(i, k, v)
+        return held.chunk()
 
     def put(self, key: str, chunk: ResidentChunk) -> bool:
         """Keep ``chunk`` (the least recently used go to make room); ``False`` if it alone is over the bound."""

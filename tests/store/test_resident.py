@@ -141,3 +141,29 @@ def test_page_locked_memory_is_counted_as_the_allocator_holds_it():
     kept = plain.host_copy(layers, [2 * t for t in layers], torch.float32, exact=True)
     assert kept.nbytes == 2 * 5 * 2 * 3 * 4 * 4 and kept.keys.shape == (5, 2, 3, 4)
     assert torch.equal(kept.values[3], 2 * layers[3])
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=["from_the_check_layer", "every_layer"])
+def test_a_chunk_is_kept_from_the_layers_its_blend_read_and_only_the_skipped_ones_are_read_again(
+    engine, tmp_path, stored_prompt, config
+):
+    stored, _ = stored_prompt
+    with ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=0) as writer:
+        writer.warm(TEXTS)
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=1 << 30)
+    read: list[int] = []
+    fetch = cache.store.get_layers
+    cache.store.get_layers = lambda requests: (read.extend(layer for _, _, layer in requests), fetch(requests))[1]
+    skipped, keep = [], cache._keep_stored_resident
+    cache._keep_stored_resident = lambda key, manifest, read: (
+        skipped.append(sorted(set(range(engine.num_layers)) - set(read))), keep(key, manifest, read))
+    first = engine.blend(stored, store=cache, config=config)
+    cache.flush()
+    assert cache.resident.stats()["entries"] == 3
+    # A deviation blend starts at its check layer (1): only layer 0 is read again, for the tier.
+    assert skipped == [[0]] * 3 if config.selection == "kv_deviation" else skipped == [[]] * 3
+    assert sorted(read) == sorted(list(range(engine.num_layers)) * 3)  # each layer of each chunk read once
+    again = engine.blend(stored, store=cache, config=config)
+    assert len(read) == 3 * engine.num_layers  # nothing more
+    torch.testing.assert_close(again.logits, first.logits, atol=0, rtol=0)
+    cache.close()
