@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in VARIANTS:
         path = root / name
         codec, _, mac = name.partition("+")
-        caches[name] = ChunkCache(engine, DiskKVStore(path), storage_dtype=codec,
+        caches[name] = ChunkCache(engine, DiskKVStore(path), storage_dtype=codec, resident_bytes=0,
                                   auth_key=b"bench-codecs: a key of 32 bytes." if mac else None)
         written[name] = caches[name].warm(chunks).bytes_written / chunk_tokens
         drop = (lambda p=path: drop_page_cache(p))

@@ -183,7 +183,7 @@ def open_chunks(engine: CacheBlendEngine, chunk_ids: list[list[int]], store: str
     if store == "memory":
         segments = list(map(CachedSegment, engine.prefill_chunks(chunk_ids)))
         return segments, None, (time.perf_counter() - start) / len(chunk_ids)
-    cache = ChunkCache(engine, DiskKVStore(folder))
+    cache = ChunkCache(engine, DiskKVStore(folder), resident_bytes=0)
     summary = cache.warm(chunk_ids)
     cache.flush()
     if summary.failed:

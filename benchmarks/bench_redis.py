@@ -144,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - start)
         report["ttft"]["full_prefill"] = {"ttft_ms": 1000 * statistics.median(times[1:])}
 
-        memory = ChunkCache(engine, MemoryKVStore())
+        memory = ChunkCache(engine, MemoryKVStore(), resident_bytes=0)
         memory.warm(chunks)
         store = RedisKVStore(url, prefix=f"bench-{uuid.uuid4().hex[:8]}")
-        piped = ChunkCache(engine, store)
+        piped = ChunkCache(engine, store, resident_bytes=0)
         summary = piped.warm(chunks)
-        unpiped = ChunkCache(engine, store, prefetch=False)
+        unpiped = ChunkCache(engine, store, prefetch=False, resident_bytes=0)
         report["ttft"].update(time_modes(engine, {"memory_tier": (stored, memory), "redis_pipelined": (stored, piped),
                                                   "redis_no_prefetch": (stored, unpiped)}, args.repeats))
 

@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         "recompute_ratio": args.ratio, "repeats": args.repeats, "page_cache": "kept" if args.keep_page_cache else "dropped",
     }
 
-    memory = ChunkCache(engine, MemoryKVStore())
+    memory = ChunkCache(engine, MemoryKVStore(), resident_bytes=0)
     memory.warm(chunks)
     disk_path = root / "disk16"
-    disk = ChunkCache(engine, DiskKVStore(disk_path))
+    disk = ChunkCache(engine, DiskKVStore(disk_path), resident_bytes=0)
     summary16 = disk.warm(chunks)
     unpiped = ChunkCache(engine, disk.store, prefetch=False)
     drop = None if args.keep_page_cache else (lambda: drop_page_cache(disk_path))

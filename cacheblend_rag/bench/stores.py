@@ -62,7 +62,8 @@ class ChunkStoreFactory:
         if self.persistent is not None and not empty:
             if dtype not in self._shared:
                 self._shared[dtype] = DiskKVStore(self.persistent / dtype)
-            cache = ChunkCache(self.engine, self._shared[dtype], prefix_ids=prefix_ids, storage_dtype=dtype)
+            cache = ChunkCache(self.engine, self._shared[dtype], prefix_ids=prefix_ids, storage_dtype=dtype,
+                               resident_bytes=0)  # the store is what is measured, never a tier in front of it
             self._open[id(cache)] = (cache, None, None)  # the store outlives the cache, and the run
             return cache
         self._opened += 1
@@ -73,7 +74,7 @@ class ChunkStoreFactory:
             store: KVStore = DiskKVStore(path)
         else:
             store = MemoryKVStore()
-        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids, storage_dtype=dtype)
+        cache = ChunkCache(self.engine, store, prefix_ids=prefix_ids, storage_dtype=dtype, resident_bytes=0)
         self._open[id(cache)] = (cache, store, path)
         return cache
 
