@@ -247,32 +247,32 @@ class ChunkCache:
         manifest = self._valid_manifest(key, self._fetch_manifests([key])[0], len(ids))
         if manifest is None:
             return None
-        layers = self._read_whole(key, manifest)
+        layers = self._read_layers(key, manifest, range(manifest.num_layers))
         if layers is None:
             return None
-        keys = [k.to(self.engine.device, copy=True) for k in layers[0]]
-        values = [v.to(self.engine.device, copy=True) for v in layers[1]]
+        keys = [k.to(self.engine.device, copy=True) for k, _ in layers]
+        values = [v.to(self.engine.device, copy=True) for _, v in layers]
         return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
 
-    def _read_whole(self, key: str, manifest: Manifest) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Every layer of a stored chunk, verified, in the engine's dtype on the host (views over the bytes
-        read); ``None`` if the store fails or the entry is damaged (which is then removed and counted)."""
-        keys, values = [], []
+    def _read_layers(self, key: str, manifest: Manifest,
+                     layers: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """K and V of the stored chunk's ``layers``, verified, in the engine's dtype on the host (views over the
+        bytes read where no conversion is needed); ``None`` if the store fails or the entry is damaged (which
+        is then removed and counted)."""
+        out = []
         try:
-            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in range(manifest.num_layers)])
-            for i, blob in enumerate(blobs):
+            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in layers]) if layers else []
+            for i, blob in zip(layers, blobs):
                 if isinstance(blob, CorruptEntryError):
                     raise blob
-                k, v = self.rules.layer(blob, manifest, i).unpacked(self.engine.dtype)
-                keys.append(k)
-                values.append(v)
+                out.append(self.rules.layer(blob, manifest, i).unpacked(self.engine.dtype))
         except CorruptEntryError as exc:
             self._discard(key, exc)
             return None
         except (StoreError, OSError) as exc:
             self._warn("read", exc)
             return None
-        return keys, values
+        return out
 
     def _keep_stored_resident(self, key: str, manifest: Manifest, read: dict[int, PackedLayer]) -> None:
         """Keep a stored chunk a blend just read in the host-memory tier: the layers it read (checked then)
@@ -286,19 +286,11 @@ class ChunkCache:
         for i, packed in read.items():
             capture.add(i, *packed.unpacked(self.engine.dtype if packed.codec.lossy else None))
         missing = capture.missing()
-        try:
-            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in missing]) if missing else []
-            for i, blob in zip(missing, blobs):
-                if isinstance(blob, CorruptEntryError):
-                    raise blob
-                packed = self.rules.layer(blob, manifest, i)
-                capture.add(i, *packed.unpacked(self.engine.dtype if packed.codec.lossy else None))
-        except CorruptEntryError as exc:
-            self._discard(key, exc)
+        skipped = self._read_layers(key, manifest, missing)
+        if skipped is None:
             return
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
-            return
+        for i, (k, v) in zip(missing, skipped):
+            capture.add(i, k, v)
         self.resident.put(key, capture.chunk())
 
     def _keep_computed_resident(self, key: str, chunk: ChunkKV) -> None:

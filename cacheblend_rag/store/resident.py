@@ -137,17 +137,6 @@ class ResidentChunks:
             self._bytes += size
         return True
 
-    def discard(self, key: str) -> None:
-        with self._lock:
-            old = self._chunks.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._chunks.clear()
-            self._bytes = 0
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"entries": len(self._chunks), "bytes": self._bytes, "max_bytes": self.max_bytes,
