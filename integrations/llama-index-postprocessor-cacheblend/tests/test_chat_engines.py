@@ -118,16 +118,19 @@ def condense_plus_context(llm: CacheBlendLLM) -> Any:
                                                        node_postprocessors=[CacheBlendNodePostprocessor(llm=llm)])
 
 
-def say_chat(chat_engine: Any, message: str) -> None:
+def say_chat(chat_engine: Any, message: str, runner: asyncio.Runner) -> None:
     chat_engine.chat(message)
 
 
-def say_stream_chat(chat_engine: Any, message: str) -> None:
+def say_stream_chat(chat_engine: Any, message: str, runner: asyncio.Runner) -> None:
     "".join(chat_engine.stream_chat(message).response_gen)
 
 
-def say_achat(chat_engine: Any, message: str) -> None:
-    asyncio.run(chat_engine.achat(message))
+def say_achat(chat_engine: Any, message: str, runner: asyncio.Runner) -> None:
+    # Every turn on the conversation's one loop, as an async application runs it: llama-index's chat memory
+    # keeps an aiosqlite connection whose worker thread calls back into the loop that opened it, and a loop
+    # closed after each turn (asyncio.run) left that thread raising into a dead loop.
+    runner.run(chat_engine.achat(message))
 
 
 @pytest.mark.parametrize("build", [simple, context, condense_plus_context],
@@ -138,17 +141,18 @@ def test_later_turns_compute_only_the_new_message_fresh(llm, build: Callable[[Ca
     chat_engine = build(llm)
     tokenizer = llm.engine.tokenizer
     previous = 0  # the previous answer's tokens, if the history holds them changed
-    for turn, message in enumerate(TURNS, start=1):
-        say(chat_engine, message)
-        stats = llm.last_stats  # the call that answered the turn (a condense call comes before it)
-        assert stats is not None
-        assert {"exact_tokens", "reused_tokens", "recomputed_tokens", "fresh_tokens"} <= set(stats)
-        if build is not simple:
-            assert stats["chunks_found"] == 2, stats
-        if turn > 1:
-            # The bound (the prefix cache keeps partial blocks), plus the previous answer's allowance.
-            bound = fresh_bound(tokenizer, message, prompt=llm.last_prompt, chunks=llm.service.announced.latest(),
-                                partial_block=partial_block_allowance(llm.service)) + previous
-            assert stats["fresh_tokens"] <= bound, (turn, stats["fresh_tokens"], bound, stats)
-        previous = answer_allowance(tokenizer, answer_tokens.answers[-1], chat_engine.chat_history[-1].content,
-                                    stats["finish_reason"])
+    with asyncio.Runner() as runner:
+        for turn, message in enumerate(TURNS, start=1):
+            say(chat_engine, message, runner)
+            stats = llm.last_stats  # the call that answered the turn (a condense call comes before it)
+            assert stats is not None
+            assert {"exact_tokens", "reused_tokens", "recomputed_tokens", "fresh_tokens"} <= set(stats)
+            if build is not simple:
+                assert stats["chunks_found"] == 2, stats
+            if turn > 1:
+                # The bound (the prefix cache keeps partial blocks), plus the previous answer's allowance.
+                bound = fresh_bound(tokenizer, message, prompt=llm.last_prompt, chunks=llm.service.announced.latest(),
+                                    partial_block=partial_block_allowance(llm.service)) + previous
+                assert stats["fresh_tokens"] <= bound, (turn, stats["fresh_tokens"], bound, stats)
+            previous = answer_allowance(tokenizer, answer_tokens.answers[-1], chat_engine.chat_history[-1].content,
+                                        stats["finish_reason"])
