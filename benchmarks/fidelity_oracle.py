@@ -43,7 +43,8 @@ import torch
 from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
-                  "probe_offset")
+                  "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
+                  "deviation_residual")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
@@ -253,3 +254,63 @@ def probes_offset(first: int) -> AbstractContextManager[None]:
                             dtype=torch.long)
 
     return attribute_replaced(blend_run, "probe_indices", placed)
+
+
+def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> AbstractContextManager[None]:
+    """Each stale entry moved by its chunk's estimating tokens' changes weighted by how alike they are,
+    ``softmax(beta * cos(x_token, x_estimator))`` per KV head over the chunk's estimators, where ``x`` is the
+    stale key before RoPE (``feature="key"``) or the stale value (``"value"``), read before any of this
+    layer's writes: a kernel regression on the probes instead of their plain mean (``beta=0``: the mean).
+    ``pool="all"`` lets every recomputed token of the chunk estimate, not only the probes: the kernel is
+    meant to keep the selector's unusual tokens from speaking for ordinary ones."""
+    if feature not in ("key", "value") or pool not in ("probes", "all"):
+        raise ValueError(f"shift_kernel_on={feature!r} (key or value), shift_kernel_pool={pool!r} (probes or all)")
+
+    def kernel_correct(self: BlendRun, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
+                       fresh_values: torch.Tensor) -> None:
+        selected, layout = self.selected, self.layout
+        if selected is None or not selected.numel() or not layout.chunk_spans:
+            return
+        use_probes = self.probes.numel() and pool == "probes"
+        self.estimators = self.probes[torch.isin(self.probes, selected)] if use_probes else selected
+        if not self.estimators.numel():
+            return
+        cached_pos = layout.cached_pos
+        pos = cached_pos[self.estimators]
+        rows = torch.searchsorted(self.active, pos)
+        if feature == "key":
+            x = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
+                                  -self.sin[:, cached_pos].float())
+        else:
+            x = value_layer[:, :, cached_pos].float()
+        x = torch.nn.functional.normalize(x, dim=-1)
+        sim = x @ x[:, :, self.estimators].transpose(-1, -2)  # [1, kv_heads, cached, estimators]
+        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
+        logits = (beta * sim).masked_fill(~same, float("-inf"))
+        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a chunk without estimators: no change
+        if self.key_correction:
+            change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
+            change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
+            self._shift_cached_keys(key_layer, weights @ change)
+        if self.value_correction:
+            change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
+            shift = self.value_correction * (weights @ change)
+            value_layer.index_add_(2, cached_pos, shift.to(value_layer.dtype))
+
+    return attribute_replaced(BlendRun, "_correct_stale_entries", kernel_correct)
+
+
+def residual_deviation() -> AbstractContextManager[None]:
+    """The deviation selectors score each token by its K/V change at the check layer less its chunk's mean
+    change: with the stale entries moved by their chunk's (probes') mean shift, what a stale token keeps wrong
+    is its own change's departure from that mean, so that is what the budget should buy back."""
+    from cacheblend_rag.engine.selection import SelectionContext
+
+    def scores(self: SelectionContext, kind: str = "value") -> torch.Tensor:
+        fresh, cached = (self.fresh_v, self.cached_v) if kind == "value" else (self.fresh_k, self.cached_k)
+        diff = fresh.float() - cached.float()
+        for start, end in self.chunk_spans:
+            diff[:, start:end] -= diff[:, start:end].mean(dim=1, keepdim=True)
+        return diff.pow(2).sum(dim=(0, 2))
+
+    return attribute_replaced(SelectionContext, "deviation_scores", scores)

@@ -153,3 +153,34 @@ def test_the_cap_shortens_only_a_shift_far_longer_than_the_others(oracle):
     torch.testing.assert_close(shifts[0, 0, 0], unit)
     torch.testing.assert_close(shifts[0, 0, 2], -unit)
     torch.testing.assert_close(shifts[0, 0, 4], 1.5 * unit)  # capped at 1.5 times the median length, 1
+
+
+def test_the_similarity_kernel_at_zero_sharpness_is_the_probes_mean(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    with oracle.similar_shift(0.0):
+        flat = blend(PROBED)
+    torch.testing.assert_close(flat.logits, mean.logits, atol=1e-5, rtol=1e-5)
+    for feature, pool in (("key", "probes"), ("value", "probes"), ("key", "all")):
+        with oracle.similar_shift(20.0, feature, pool):
+            sharp = blend(PROBED)
+        assert sharp.stats.selected_positions == mean.stats.selected_positions
+        assert torch.isfinite(sharp.logits).all()
+        assert not torch.allclose(sharp.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_kernel_on='query'"):
+        oracle.similar_shift(1.0, "query")
+
+
+def test_residual_deviation_ignores_a_change_shared_by_a_whole_chunk(oracle):
+    from cacheblend_rag.engine.selection import SelectionContext
+
+    cached = torch.zeros(2, 6, 4)
+    fresh = cached.clone()
+    fresh[:, :3] += 5.0  # the first chunk moves as one: nothing left once its mean is taken out
+    fresh[:, 4] += 1.0  # one token of the second chunk moves alone
+    ctx = SelectionContext(layer=1, budget=1, fresh_k=fresh, fresh_v=fresh, cached_k=cached, cached_v=cached,
+                           chunk_spans=[(0, 3), (3, 6)])
+    assert int(ctx.deviation_scores().argmax()) < 3
+    with oracle.residual_deviation():
+        residual = ctx.deviation_scores()
+    assert int(residual.argmax()) == 4 and torch.allclose(residual[:3], torch.zeros(3))
