@@ -28,8 +28,11 @@ reliability: the cosine ``r`` between the means of its even and odd probes, step
 ``cap`` (each group's mean per KV head no longer than 1.5 times the median length of every group's in that
 layer: a trust region against the one chunk whose estimate runs away).
 ``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
-much the probes' placement alone moves a result. Research code: it patches ``BlendRun`` while
-active and is not part of the package.
+much the probes' placement alone moves a result. Estimates finer than a group's mean (docs/quality.md, "Estimates of
+the shift beyond the probes' mean"): ``shift_kernel`` (a similarity-weighted mean of the group's probes),
+``shift_slope`` (the mean plus a slope pooled over the prompt) and ``deviation_residual`` (the deviation selector
+scoring a token's change less its chunk's mean). Research code: it patches ``BlendRun`` while active and is not
+part of the package.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
-                  "deviation_residual")
+                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
@@ -314,3 +317,90 @@ def residual_deviation() -> AbstractContextManager[None]:
         return diff.pow(2).sum(dim=(0, 2))
 
     return attribute_replaced(SelectionContext, "deviation_scores", scores)
+
+
+def sloped_shift(kind: str, feature: str = "own", pool: str = "probes") -> AbstractContextManager[None]:
+    """Each stale entry moved by its group's probes' mean change plus a slope on how far the entry itself sits
+    from the probes' mean: ``change_t = mean_g(change) + a * (x_t - mean_g(x))``, ``x`` the stale key before
+    RoPE for the keys' change and the stale value for the values'. The slope ``a`` is pooled over every group
+    of the prompt (a within-group regression on all probes), per KV head and channel (``kind="channel"``) or
+    one per KV head (``"head"``): a chunk's ten probes cannot fit a slope of their own, a prompt's hundred can.
+    The plain mean is ``a = 0``. ``feature="deviation"`` (or ``"logdeviation"``, its log) regresses on a number
+    every token has without a recompute instead: its value deviation at the check layer, where every token was
+    computed, per channel. With ``pool="all"`` every recomputed token estimates, not only the probes: the
+    deviation selector picks tokens by that very number, so a slope on it is what would let its biased picks
+    estimate the shift for the ordinary tokens."""
+    if kind not in ("channel", "head") or feature not in ("own", "deviation", "logdeviation"):
+        raise ValueError(f"shift_slope={kind!r}: channel or head; shift_slope_on={feature!r}: own, deviation or "
+                         "logdeviation")
+    if pool not in ("probes", "all"):
+        raise ValueError(f"shift_slope_pool={pool!r}: probes or all")
+    original_select = BlendRun._select
+
+    def select_and_keep_deviation(self: BlendRun, ctx: Any) -> torch.Tensor:
+        if ctx.num_cached == self.layout.n_cached:
+            self.check_deviation = ctx.deviation_scores("value").sqrt()
+        return original_select(self, ctx)
+
+    def deviation_feature(self: BlendRun, like: torch.Tensor) -> torch.Tensor:
+        d = self.check_deviation.to(like.device, torch.float32)
+        d = torch.log(d + 1e-6) if feature == "logdeviation" else d
+        return d.view(1, 1, -1, 1).expand_as(like)
+
+    def fitted(self: BlendRun, x: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[1, kv_heads, cached, d]`` (every blendable cached token's stale feature), ``change`` the
+        estimators'; one predicted change per cached token."""
+        assert self.estimators is not None
+        groups = self.chunk_of[self.estimators]
+        counts = torch.bincount(groups, minlength=self.shift_groups).clamp(min=1).view(1, 1, -1, 1)
+
+        def group_mean(values: torch.Tensor) -> torch.Tensor:
+            totals = values.new_zeros(values.shape[0], values.shape[1], self.shift_groups, values.shape[3])
+            return totals.index_add_(2, groups, values) / counts
+
+        xe = x[:, :, self.estimators]
+        mean_x, mean_change = group_mean(xe), group_mean(change)
+        cx, cy = xe - mean_x[:, :, groups], change - mean_change[:, :, groups]
+        dims = (2,) if kind == "channel" else (2, 3)
+        slope = (cx * cy).sum(dim=dims, keepdim=True) / cx.pow(2).sum(dim=dims, keepdim=True).clamp(min=1e-12)
+        has = torch.zeros(self.shift_groups, dtype=torch.bool, device=x.device)
+        has[groups] = True
+        out = mean_change[:, :, self.chunk_of] + slope * (x - mean_x[:, :, self.chunk_of])
+        return out * has[self.chunk_of].view(1, 1, -1, 1)  # a group without estimators: no change
+
+    def sloped_correct(self: BlendRun, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
+                       fresh_values: torch.Tensor) -> None:
+        selected, layout = self.selected, self.layout
+        if selected is None or not selected.numel() or not layout.chunk_spans:
+            return
+        use_probes = self.probes.numel() and pool == "probes"
+        self.estimators = self.probes[torch.isin(self.probes, selected)] if use_probes else selected
+        if not self.estimators.numel():
+            return
+        cached_pos = layout.cached_pos
+        pos = cached_pos[self.estimators]
+        rows = torch.searchsorted(self.active, pos)
+        if self.key_correction:
+            stale = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
+                                      -self.sin[:, cached_pos].float())
+            stale = stale if feature == "own" else deviation_feature(self, stale)
+            change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
+            change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
+            self._shift_cached_keys(key_layer, fitted(self, stale, change))
+        if self.value_correction:
+            stale = value_layer[:, :, cached_pos].float()
+            stale = stale if feature == "own" else deviation_feature(self, stale)
+            change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
+            shift = self.value_correction * fitted(self, stale, change)
+            value_layer.index_add_(2, cached_pos, shift.to(value_layer.dtype))
+
+    if feature == "own":
+        return attribute_replaced(BlendRun, "_correct_stale_entries", sloped_correct)
+    return _both(attribute_replaced(BlendRun, "_correct_stale_entries", sloped_correct),
+                 attribute_replaced(BlendRun, "_select", select_and_keep_deviation))
+
+
+@contextmanager
+def _both(first: AbstractContextManager[None], second: AbstractContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield

@@ -73,3 +73,20 @@ def test_the_placement_table_groups_a_stride_and_ratio_by_probe_offset(research,
     table = capsys.readouterr().out
     assert "| 0.2 | 20 | 5 | 5: 10% (1), 10: 70% (0) | 40% | 60 points |" in table
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_the_estimates_table_compares_each_variant_with_the_mean_at_the_same_placements(research, tmp_path, capsys):
+    """``estimates``: a variant's recovery at every placement the base has too, and its gain over the base averaged
+    over those placements; a variant measured at one placement is compared at that one only."""
+    base = "b"
+    kl = {"full_reuse": [1.0, 1.0], base: [0.4, 0.4], base + ";probe_offset=2": [0.6, 0.6],
+          base + ";k=1": [0.2, 0.2], base + ";k=1;probe_offset=2": [0.6, 0.6], base + ";k=2": [1.2, 0.2]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"model": "m", "setup": "s", "q": q, "method": method, "kl": values[q]}) + "\n"
+                            for method, values in kl.items() for q in (0, 1)))
+    research.main(["estimates", str(path), "--base", base, "--variants", ",;k=1,;k=2", "--offsets", "2",
+                   "--model", "m", "--setup", "s"])
+    table = capsys.readouterr().out
+    assert "| `(the mean)` | engine: 60% (0), 2: 40% (0) | 50% | +0.0 [+0.0, +0.0] points |" in table
+    assert "| `;k=1` | engine: 80% (0), 2: 40% (0) | 60% | +10.0 [+10.0, +10.0] points |" in table
+    assert "| `;k=2` | engine: 30% (1) | 30% | -30.0 [" in table

@@ -184,3 +184,19 @@ def test_residual_deviation_ignores_a_change_shared_by_a_whole_chunk(oracle):
     with oracle.residual_deviation():
         residual = ctx.deviation_scores()
     assert int(residual.argmax()) == 4 and torch.allclose(residual[:3], torch.zeros(3))
+
+
+def test_a_pooled_slope_changes_the_blend_but_not_its_selection(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    for kind, feature, pool in (("channel", "own", "probes"), ("head", "own", "probes"),
+                                ("channel", "deviation", "all"), ("channel", "logdeviation", "probes")):
+        with oracle.sloped_shift(kind, feature, pool):
+            sloped = blend(PROBED)
+        assert sloped.stats.selected_positions == mean.stats.selected_positions
+        assert torch.isfinite(sloped.logits).all()
+        assert not torch.allclose(sloped.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_slope='token'"):
+        oracle.sloped_shift("token")
+    with pytest.raises(ValueError, match="shift_slope_pool='some'"):
+        oracle.sloped_shift("channel", "own", "some")
