@@ -269,8 +269,26 @@ def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> Ab
     if feature not in ("key", "value") or pool not in ("probes", "all"):
         raise ValueError(f"shift_kernel_on={feature!r} (key or value), shift_kernel_pool={pool!r} (probes or all)")
 
-    def kernel_correct(self: BlendRun, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
-                       fresh_values: torch.Tensor) -> None:
+    def weighted(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
+                 change: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.normalize(stale_keys if feature == "key" else stale_values, dim=-1)
+        sim = x @ x[:, :, self.estimators].transpose(-1, -2)  # [1, kv_heads, cached, estimators]
+        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
+        logits = (beta * sim).masked_fill(~same, float("-inf"))
+        return torch.softmax(logits, dim=-1).nan_to_num(0.0) @ change  # a chunk without estimators: no change
+
+    return stale_correction(weighted, pool)
+
+
+def stale_correction(shift_of: Any, pool: str) -> AbstractContextManager[None]:
+    """The engine's ``_correct_stale_entries`` with its per-group mean replaced by ``shift_of(run, kind,
+    stale_keys, stale_values, change)``: every blendable cached token's estimated change (``kind`` "key", before
+    RoPE, or "value") from the estimators' ``change``, given every cached token's stale keys (before RoPE) and
+    values as read before this layer's writes. ``pool="all"``: every recomputed token estimates, not the probes
+    alone."""
+
+    def correct(self: BlendRun, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
+                fresh_values: torch.Tensor) -> None:
         selected, layout = self.selected, self.layout
         if selected is None or not selected.numel() or not layout.chunk_spans:
             return
@@ -281,26 +299,19 @@ def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> Ab
         cached_pos = layout.cached_pos
         pos = cached_pos[self.estimators]
         rows = torch.searchsorted(self.active, pos)
-        if feature == "key":
-            x = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
-                                  -self.sin[:, cached_pos].float())
-        else:
-            x = value_layer[:, :, cached_pos].float()
-        x = torch.nn.functional.normalize(x, dim=-1)
-        sim = x @ x[:, :, self.estimators].transpose(-1, -2)  # [1, kv_heads, cached, estimators]
-        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
-        logits = (beta * sim).masked_fill(~same, float("-inf"))
-        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a chunk without estimators: no change
+        stale_keys = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
+                                       -self.sin[:, cached_pos].float())
+        stale_values = value_layer[:, :, cached_pos].float()
         if self.key_correction:
             change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
             change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
-            self._shift_cached_keys(key_layer, weights @ change)
+            self._shift_cached_keys(key_layer, shift_of(self, "key", stale_keys, stale_values, change))
         if self.value_correction:
-            change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
-            shift = self.value_correction * (weights @ change)
+            change = fresh_values[:, :, rows].float() - stale_values[:, :, self.estimators]
+            shift = self.value_correction * shift_of(self, "value", stale_keys, stale_values, change)
             value_layer.index_add_(2, cached_pos, shift.to(value_layer.dtype))
 
-    return attribute_replaced(BlendRun, "_correct_stale_entries", kernel_correct)
+    return attribute_replaced(BlendRun, "_correct_stale_entries", correct)
 
 
 def residual_deviation() -> AbstractContextManager[None]:
@@ -368,36 +379,14 @@ def sloped_shift(kind: str, feature: str = "own", pool: str = "probes") -> Abstr
         out = mean_change[:, :, self.chunk_of] + slope * (x - mean_x[:, :, self.chunk_of])
         return out * has[self.chunk_of].view(1, 1, -1, 1)  # a group without estimators: no change
 
-    def sloped_correct(self: BlendRun, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
-                       fresh_values: torch.Tensor) -> None:
-        selected, layout = self.selected, self.layout
-        if selected is None or not selected.numel() or not layout.chunk_spans:
-            return
-        use_probes = self.probes.numel() and pool == "probes"
-        self.estimators = self.probes[torch.isin(self.probes, selected)] if use_probes else selected
-        if not self.estimators.numel():
-            return
-        cached_pos = layout.cached_pos
-        pos = cached_pos[self.estimators]
-        rows = torch.searchsorted(self.active, pos)
-        if self.key_correction:
-            stale = self.a.apply_rope(key_layer[:, :, cached_pos].float(), self.cos[:, cached_pos].float(),
-                                      -self.sin[:, cached_pos].float())
-            stale = stale if feature == "own" else deviation_feature(self, stale)
-            change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
-            change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
-            self._shift_cached_keys(key_layer, fitted(self, stale, change))
-        if self.value_correction:
-            stale = value_layer[:, :, cached_pos].float()
-            stale = stale if feature == "own" else deviation_feature(self, stale)
-            change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
-            shift = self.value_correction * fitted(self, stale, change)
-            value_layer.index_add_(2, cached_pos, shift.to(value_layer.dtype))
+    def sloped(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
+               change: torch.Tensor) -> torch.Tensor:
+        own = stale_keys if kind == "key" else stale_values
+        return fitted(self, own if feature == "own" else deviation_feature(self, own), change)
 
     if feature == "own":
-        return attribute_replaced(BlendRun, "_correct_stale_entries", sloped_correct)
-    return _both(attribute_replaced(BlendRun, "_correct_stale_entries", sloped_correct),
-                 attribute_replaced(BlendRun, "_select", select_and_keep_deviation))
+        return stale_correction(sloped, pool)
+    return _both(stale_correction(sloped, pool), attribute_replaced(BlendRun, "_select", select_and_keep_deviation))
 
 
 @contextmanager
