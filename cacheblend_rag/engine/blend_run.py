@@ -230,8 +230,13 @@ class BlendRun:
 
     def _with_probes(self, ctx: SelectionContext, index: torch.Tensor, budget: int) -> torch.Tensor:
         """Among the cached tokens ``index``: its probes first (``shift_probe_stride``), then the strategy's
-        choice of the rest of ``budget`` among the others."""
-        probes = self.probes[torch.isin(self.probes, index)][:budget]
+        choice of the rest of ``budget`` among the others. A budget smaller than the probes keeps an even
+        subset of them (a wider stride), so that every chunk's shift is still estimated: the first chunks'
+        probes alone left the rest uncorrected (at 0.05 with probes every 10 tokens, 10 of 13 questions were
+        worse than full reuse on the 1.5B model)."""
+        probes = self.probes[torch.isin(self.probes, index)]
+        if probes.numel() > budget:
+            probes = probes[torch.linspace(0, probes.numel() - 1, budget).round().long().to(probes.device)]
         others = index[~torch.isin(index, probes)]
         if budget - probes.numel() <= 0 or not others.numel():
             return probes

@@ -135,3 +135,23 @@ def test_a_window_as_wide_as_the_chunk_is_the_chunk_and_narrower_windows_shift_a
                                    change.expand(-1, len(stale), -1), rtol=1e-4, atol=1e-5)
         checked += 1
     assert checked >= 2
+
+
+def test_a_budget_below_the_probes_keeps_an_even_subset_of_them(blend_inputs):
+    engine, segments = blend_inputs
+    # Every other token a probe: more probes than a 0.2 budget holds.
+    config = BlendConfig(recompute_ratio=0.2, selection="kv_deviation", gate=False, shift_probe_stride=2,
+                         stale_key_correction=1.0, stale_value_correction=1.0)
+    result = engine.blend(segments, config=config)
+    first = len(segments[0].token_ids)
+    spans, start = [], 0
+    for segment in segments[1:-1]:
+        spans.append((start, start + len(segment.token_ids)))
+        start += len(segment.token_ids)
+    probes = [first + i for i in probe_indices(spans, 2).tolist()]
+    chosen = sorted(result.stats.selected_positions)
+    assert len(chosen) < len(probes) and set(chosen) <= set(probes)  # the whole budget: probes
+    for start, end in spans:  # every chunk keeps some, so every chunk's stale entries are corrected
+        assert any(first + start <= p < first + end for p in chosen)
+    gaps = {probes.index(b) - probes.index(a) for a, b in zip(chosen, chosen[1:])}
+    assert max(gaps) - min(gaps) <= 1  # evenly thinned
