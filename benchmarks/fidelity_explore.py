@@ -545,10 +545,11 @@ def placements(args: argparse.Namespace) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-        colours = {0.15: "tab:orange", 0.2: "tab:blue"}
+        colours = {0.15: "tab:orange", 0.2: "tab:blue", 0.3: "tab:green"}
+        ratios = sorted({ratio for ratio, _ in found})
         for (ratio, stride), by_offset in found.items():
             ys = [100 * m["recovery"] for m in by_offset.values()]
-            x = stride + (0.4 if ratio == 0.2 else -0.4)
+            x = stride + 0.5 * (ratios.index(ratio) - (len(ratios) - 1) / 2)  # side by side at one stride
             ax.scatter([x] * len(ys), ys, color=colours.get(ratio, "grey"), s=22,
                        label=f"@{ratio:g}" if stride == min(s for r, s in found if r == ratio) else None)
             ax.plot([x, x], [min(ys), max(ys)], color=colours.get(ratio, "grey"), linewidth=1)
