@@ -236,7 +236,7 @@ class BlendRun:
         worse than full reuse on the 1.5B model)."""
         probes = self.probes[torch.isin(self.probes, index)]
         if probes.numel() > budget:
-            probes = probes[torch.linspace(0, probes.numel() - 1, budget).round().long().to(probes.device)]
+            probes = probes[torch.linspace(0, probes.numel() - 1, budget, device=probes.device).round().long()]
         others = index[~torch.isin(index, probes)]
         if budget - probes.numel() <= 0 or not others.numel():
             return probes

@@ -18,6 +18,15 @@ TEXTS = ["Marie Curie was a physicist and chemist who won two Nobel prizes for h
 PROBED = dict(shift_probe_stride=4, stale_key_correction=1.0, stale_value_correction=1.0)
 
 
+def chunk_spans(segments) -> list[tuple[int, int]]:
+    """The chunks' [start, end) among the cached tokens after the lead (every segment but the first and last)."""
+    spans, start = [], 0
+    for segment in segments[1:-1]:
+        spans.append((start, start + len(segment.token_ids)))
+        start += len(segment.token_ids)
+    return spans
+
+
 @pytest.fixture(scope="module")
 def blend_inputs(passages_prompt):
     engine, segments = passages_prompt
@@ -36,11 +45,7 @@ def test_the_probes_are_recomputed_and_the_strategy_picks_the_rest(blend_inputs,
     config = BlendConfig(recompute_ratio=0.4, selection=selection, gate=False)
     plain = engine.blend(segments, config=config)
     probed = engine.blend(segments, config=config.with_overrides(**PROBED))
-    first = len(segments[0].token_ids)
-    spans, start = [], 0
-    for segment in segments[1:-1]:
-        spans.append((start, start + len(segment.token_ids)))
-        start += len(segment.token_ids)
+    first, spans = len(segments[0].token_ids), chunk_spans(segments)
     probes = {first + i for i in probe_indices(spans, 4).tolist()}
     chosen = set(probed.stats.selected_positions)
     assert probes <= chosen
@@ -143,11 +148,7 @@ def test_a_budget_below_the_probes_keeps_an_even_subset_of_them(blend_inputs):
     config = BlendConfig(recompute_ratio=0.2, selection="kv_deviation", gate=False, shift_probe_stride=2,
                          stale_key_correction=1.0, stale_value_correction=1.0)
     result = engine.blend(segments, config=config)
-    first = len(segments[0].token_ids)
-    spans, start = [], 0
-    for segment in segments[1:-1]:
-        spans.append((start, start + len(segment.token_ids)))
-        start += len(segment.token_ids)
+    first, spans = len(segments[0].token_ids), chunk_spans(segments)
     probes = [first + i for i in probe_indices(spans, 2).tolist()]
     chosen = sorted(result.stats.selected_positions)
     assert len(chosen) < len(probes) and set(chosen) <= set(probes)  # the whole budget: probes
