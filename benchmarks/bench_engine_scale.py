@@ -18,7 +18,8 @@ loaded model's config: CacheBlend as published at ``--ratio``, and each method's
 ``cacheblend+keyshift`` (the same with ``stale_key_correction=1``), ``cacheblend+probeshift`` (probe tokens,
 the harness's ``+probeshift``),
 ``query_profiled`` (the built-in default's selection at ``--ratio``, reported as ``default@RATIO``; a blend
-named ``NAME@RATIO`` runs at its own ratio)
+named ``NAME@RATIO`` runs at its own ratio), any other blend in the harness's ``--methods`` spelling
+(``query_profiled+probeshift10@0.2``)
 and ``default``: whatever the engine uses for the loaded model when given no setting, the setting
 ``cacheblend-rag calibrate`` saved for it or the built-in one, reported with its name and source
 (its chunks are computed alone here, as every method's: a calibration's prefix conditioning
@@ -80,14 +81,27 @@ def method_configs(ratio: float, methods: str = DEFAULT_METHODS,
         }
         if engine is not None:
             every["default"] = ("default", engine.default_config().with_overrides(min_blend_tokens=0))
-        if base not in every or (pinned and base in ("full_prefill", "full_reuse", "default")):
-            raise SystemExit(f"--methods: unknown method {item!r}; choose from {', '.join(METHODS)}, a blend "
-                             "optionally with @RATIO")
-        name, cfg = every[base]
+        if pinned and base in ("full_prefill", "full_reuse", "default"):
+            raise SystemExit(f"--methods: {item!r}: {base} takes no @RATIO")
+        name, cfg = every[base] if base in every else harness_blend(item, r)
         configs[name] = cfg
     if "full_prefill" not in configs:  # every speedup is relative to it
         configs = {"full_prefill": None, **configs}
     return configs
+
+
+def harness_blend(item: str, ratio: float) -> tuple[str, BlendConfig]:
+    """Any other blend as the harness's ``--methods`` spells it (``query_profiled+probeshift10@0.2``), named
+    as the harness names it. ``+prefix`` is dropped from the name: conditioning changes the chunks' values, not
+    the work, and every method's chunks are computed alone here."""
+    try:
+        [spec] = parse_methods(item, [ratio])
+    except Exception as error:  # the parser's message names the method and the fix
+        raise SystemExit(f"{error}; or one of this bench's own: {', '.join(METHODS)}") from None
+    if spec.kind != "blend":
+        raise SystemExit(f"--methods: {item!r} is no blend; the baselines are full_prefill and full_reuse")
+    name = spec.setting.replace("+prefix", "")
+    return name, spec.blend_config(BlendConfig(min_blend_tokens=0))
 
 
 def own_bound(engine: CacheBlendEngine, shapes: LayerShapes, cfg: BlendConfig | None, n: int, fresh: int) -> float | None:

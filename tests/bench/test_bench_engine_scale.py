@@ -95,3 +95,16 @@ def test_bench_reports_every_method_with_phases_and_the_bound(scale_bench, tmp_p
         assert row["cache_hits"] == 2 and row["cache_misses"] == 0  # every chunk read back, none recomputed
     assert results["default@0.15"]["timings_s"]["profile"] > 0  # the default's profile pass is timed apart
     assert results["cacheblend@0.15"]["own_bound"] == pytest.approx(bound)
+
+
+def test_any_harness_blend_is_a_method_named_as_the_harness_names_it(scale_bench):
+    configs = scale_bench.method_configs(0.15, "query_profiled+prefix+probeshift10@0.2,kv_deviation@0.3,cacheblend")
+    assert list(configs) == ["full_prefill", "query_profiled+probeshift10@0.2", "kv_deviation@0.3", "cacheblend@0.15"]
+    probes = configs["query_profiled+probeshift10@0.2"]
+    assert (probes.recompute_ratio, probes.selection, probes.shift_probe_stride, probes.shift_window) == \
+        (0.2, "query_profiled", 10, 100)
+    assert probes.min_blend_tokens == 0  # the bench times the blend, never the short-prompt fallback
+    for bad, message in [("nonsense@0.2", "unknown method"), ("full_reuse@0.2", "takes no @RATIO"),
+                         ("full_prefill+prefix", "reuses no chunk KV"), ("prefix_caching", "no blend")]:
+        with pytest.raises(SystemExit, match=message):
+            scale_bench.method_configs(0.15, bad)
