@@ -159,7 +159,8 @@ class CacheBlendEngine:
 
     def default_and_source(self) -> tuple[BlendConfig, str]:
         """The blend setting of calls that pass none, and where it comes from: ``"user"`` (the
-        engine's ``config``), ``"calibrated: <file>"`` or ``"built-in"``."""
+        engine's ``config``), ``"calibrated: <file>"`` (the user's calibration), ``"calibrated (shipped):
+        <file>"`` (the one the package ships for this model) or ``"built-in"``."""
         if self.config_given:
             return self.config, "user"
         calibrated = self.calibration()

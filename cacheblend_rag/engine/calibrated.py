@@ -54,6 +54,12 @@ def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None 
     return calibration_dir(directory) / f"{fingerprint}.json"
 
 
+# Settings the project measured for the model catalog's models (docs/quality.md), one calibration document per
+# fingerprint, shipped inside the package. They are used only when the user has calibrated none for that model:
+# the user's own prompts are better evidence than ours.
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "calibrations"
+
+
 PROBE_SHIFT_STRIDE = 20  # the probe stride ``+probeshift`` stands for when it names none
 PROBE_SHIFT_WINDOW = 100  # and the window each shift is estimated over
 
@@ -96,6 +102,7 @@ class CalibratedSetting:
     name: str
     target_met: bool
     document: dict[str, Any]
+    shipped: bool = False  # measured by the project and shipped in the package, not the user's own
 
     def apply_to(self, base: BlendConfig) -> BlendConfig:
         """``base`` (the user's policy fields) with the calibrated fields."""
@@ -103,14 +110,14 @@ class CalibratedSetting:
 
     @property
     def source(self) -> str:
-        return f"calibrated: {self.path}"
+        return f"calibrated (shipped): {self.path}" if self.shipped else f"calibrated: {self.path}"
 
 
 class CorruptCalibration(ValueError):
     pass
 
 
-def parse_document(document: Any, fingerprint: str, where: str) -> CalibratedSetting:
+def parse_document(document: Any, fingerprint: str, where: str, *, shipped: bool = False) -> CalibratedSetting:
     """The chosen setting of a calibration document; :class:`CorruptCalibration` says what is wrong."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CorruptCalibration(f"{where} is not a calibration result (no \"format\": {FORMAT!r})")
@@ -136,7 +143,7 @@ def parse_document(document: Any, fingerprint: str, where: str) -> CalibratedSet
     return CalibratedSetting(
         path=Path(where), fingerprint=fingerprint, model=str(document.get("model")), config=dict(config),
         condition_chunks=conditioned, name=describe_config(resolved, conditioned),
-        target_met=bool(document.get("target_met")), document=document,
+        target_met=bool(document.get("target_met")), document=document, shipped=shipped,
     )
 
 
@@ -145,9 +152,15 @@ _READ: dict[Path, tuple[tuple[int, int], CalibratedSetting | None]] = {}
 
 
 def load_calibration(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> CalibratedSetting | None:
-    """The calibrated setting of the model ``fingerprint``, or ``None`` when there is none or its
-    file is corrupt or another model's (said once per version of the file, as a warning)."""
-    path = calibration_path(fingerprint, directory)
+    """The calibrated setting of the model ``fingerprint``: the user's (in ``directory``, see
+    :func:`calibration_dir`), else the one shipped for it (:data:`SHIPPED_DIR`), else ``None``. A file
+    that is corrupt or another model's is said once per version of the file, as a warning, and skipped."""
+    mine = _read_calibration(calibration_path(fingerprint, directory), fingerprint)
+    return mine if mine is not None else _read_calibration(SHIPPED_DIR / f"{fingerprint}.json", fingerprint,
+                                                           shipped=True)
+
+
+def _read_calibration(path: Path, fingerprint: str, *, shipped: bool = False) -> CalibratedSetting | None:
     try:
         stat = path.stat()
     except OSError:
@@ -159,10 +172,10 @@ def load_calibration(fingerprint: str, directory: str | os.PathLike[str] | None 
     setting: CalibratedSetting | None
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-        setting = parse_document(document, fingerprint, str(path))
+        setting = parse_document(document, fingerprint, str(path), shipped=shipped)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, CorruptCalibration) as exc:
-        logger.warning("ignoring the calibration result %s: %s; the built-in blend setting is used. Run "
-                       "`cacheblend-rag calibrate` again to replace it", path, exc)
+        logger.warning("ignoring the calibration result %s: %s; the setting shipped for this model or the "
+                       "built-in one is used. Run `cacheblend-rag calibrate` again to replace it", path, exc)
         setting = None
     _READ[path] = (stamp, setting)
     return setting

@@ -35,7 +35,7 @@ class BlendStats:
     timings: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None
     blend_setting: str | None = None  # the setting's short name, e.g. "query_profiled@0.15"
-    config_source: str | None = None  # "built-in", "user" or "calibrated: <file>"
+    config_source: str | None = None  # "built-in", "user", "calibrated: <file>", "calibrated (shipped): <file>"
 
     @property
     def reuse_fraction(self) -> float:

@@ -361,7 +361,8 @@ class CacheBlendSettings(BaseModel):
 
     @property
     def config_source(self) -> str:
-        """Where the blend setting comes from: ``"user"``, ``"calibrated: <file>"`` or ``"built-in"``."""
+        """Where the blend setting comes from: ``"user"``, ``"calibrated: <file>"``, ``"calibrated (shipped):
+        <file>"`` (the package's own for this model) or ``"built-in"``."""
         if self.model_fields_set & _CALIBRATED_CHOICES:
             return "user"
         return self._calibration.source if self._calibration is not None else "built-in"

@@ -24,8 +24,10 @@ from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 from cacheblend_rag.cli import build_parser
 from cacheblend_rag.data import demo_corpus_dir, load_demo_corpus, load_demo_questions
 from cacheblend_rag.engine import CachedSegment, FreshSegment
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, calibration_path, load_calibration
+from cacheblend_rag.engine import calibrated
+from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, calibration_path, load_calibration, parse_document
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.catalog import lookup
 from cacheblend_rag.testing import tiny_engine
 
 CANDIDATES = "kv_deviation@0.1,kv_deviation@0.5,kv_deviation@1.0,query_profiled+prefix@0.15"
@@ -220,6 +222,37 @@ def test_another_model_never_reads_this_models_result(engine, measured, caplog):
     with caplog.at_level(logging.WARNING):
         assert other.calibration() is None and other.config_source == "built-in"
     assert "measured on another model" in caplog.text
+
+
+def test_a_setting_shipped_for_a_model_is_its_default_until_the_user_calibrates_it(engine, measured, tmp_path,
+                                                                                   monkeypatch, caplog):
+    result, _ = measured
+    shipped_dir = tmp_path / "shipped"
+    monkeypatch.setattr(calibrated, "SHIPPED_DIR", shipped_dir)
+    mine = result.save()
+    shipped_dir.mkdir()
+    shipped = shipped_dir / mine.name
+    mine.rename(shipped)
+    assert engine.config_source == f"calibrated (shipped): {shipped}"
+    assert engine.calibration().shipped
+    assert engine.default_config() == BlendConfig().with_overrides(**result.chosen.config)
+    other = tiny_engine("llama", seed=1)
+    assert other.config_source == "built-in"  # the file is named by, and holds, this model's fingerprint only
+    # The user's own calibration wins; a corrupt one is reported and the shipped one is used again.
+    assert result.save() == mine and engine.config_source == f"calibrated: {mine}"
+    mine.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert engine.config_source == f"calibrated (shipped): {shipped}"
+    assert "ignoring the calibration result" in caplog.text
+
+
+def test_every_shipped_setting_is_a_valid_calibration_of_a_catalog_model():
+    files = sorted(calibrated.SHIPPED_DIR.glob("*.json"))
+    assert files, f"no shipped settings in {calibrated.SHIPPED_DIR}"
+    for path in files:
+        setting = parse_document(json.loads(path.read_text()), path.stem, str(path), shipped=True)
+        assert lookup(setting.model) is not None, f"{path}: {setting.model} is not in the model catalog"
+        assert setting.source.startswith("calibrated (shipped): ")
 
 
 @pytest.mark.parametrize("content, reason", [

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
+from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV
 from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root
@@ -45,3 +46,12 @@ def test_loads_by_name_and_ratio_one_equals_full_prefill(engine):
     assert int(blended.logits.argmax()) == int(full.logits.argmax())
     for layer in (0, engine.num_layers - 1):
         torch.testing.assert_close(blended.cache.layers[layer].keys, full.cache.layers[layer].keys, atol=2e-3, rtol=1e-3)
+
+
+def test_the_setting_shipped_for_it_is_its_default(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))  # where no calibration of the user's is
+    assert engine.config_source.startswith("calibrated (shipped): ")
+    config = engine.default_config()
+    assert (config.selection, config.recompute_ratio, config.shift_probe_stride, config.shift_window) == \
+        ("query_profiled", 0.2, 10, 100)
+    assert engine.calibration().condition_chunks
