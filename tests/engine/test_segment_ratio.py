@@ -94,3 +94,17 @@ def test_the_integrations_expose_and_validate_it(engine):
     assert llm.blend_config.segment_recompute_ratio == 0.5
     with pytest.raises(ValueError, match="segment_recompute_ratio"):
         CacheBlendLLM.from_engine(engine, segment_recompute_ratio=2.0)
+
+
+@pytest.mark.parametrize("selection", ["query_profiled", "kv_deviation"])
+def test_probe_tokens_stay_inside_the_chunks_share_beside_a_cached_segment(engine, selection):
+    # The setting shipped for the 1.5B model blends with probes; a chat's cached segments must keep their share.
+    segments, chunk_pos, segment_pos = prompt(engine)
+    probes = dict(shift_probe_stride=10, stale_key_correction=1.0, stale_value_correction=1.0, shift_window=100)
+    cfg = BlendConfig(recompute_ratio=0.2, segment_recompute_ratio=0.35, selection=selection, **probes)
+    chosen = set(engine.blend(segments, config=cfg).stats.selected_positions)
+    assert len(chosen & chunk_pos) == selection_budget(0.2, len(chunk_pos))
+    assert len(chosen & segment_pos) == selection_budget(0.35, len(segment_pos))
+    exact = engine.blend(segments, config=BlendConfig(recompute_ratio=1.0, **probes))
+    full = engine.full_prefill([t for s in segments for t in s.token_ids])
+    torch.testing.assert_close(exact.logits, full.logits, atol=1e-5, rtol=1e-5)
