@@ -54,4 +54,4 @@ def test_the_setting_shipped_for_it_is_its_default(engine, tmp_path, monkeypatch
     config = engine.default_config()
     assert (config.selection, config.recompute_ratio, config.shift_probe_stride, config.shift_window) == \
         ("query_profiled", 0.2, 10, 100)
-    assert engine.calibration().condition_chunks
+    assert not engine.calibration().condition_chunks  # chunks computed alone: better than conditioned on it
