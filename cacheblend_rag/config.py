@@ -128,9 +128,8 @@ class BlendConfig:
         questions but 50% on held-out 300-token ones. On ``query_profiled`` with chunks computed alone it
         recovers 70.5% at 0.2 over all 29 300-token questions (the built-in default 45%), the setting
         shipped for that model (docs/quality.md, "Calibrating a model"). A budget smaller than the
-        probes keeps an even subset of them, which is worse than no probes (at stride 10 and ratio 0.05,
-        -23% on that model): below a ratio of ``1 / stride`` set this to 0. Measure it on your prompts
-        (``cacheblend-rag calibrate``).
+        probes (a ratio below about ``1 / stride``) drops them and both corrections: too few probes
+        estimate the shifts worse than none. Measure it on your prompts (``cacheblend-rag calibrate``).
     shift_window:
         Estimate the two corrections per window of this many tokens of each chunk rather than per
         chunk, for long chunks whose error drifts along them (windows of 100 did better than whole
