@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, Qwen2Config
@@ -12,7 +10,6 @@ from transformers import LlamaConfig, Qwen2Config
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
 from cacheblend_rag.testing import tiny_engine
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # The shapes of Qwen2.5-(Coder-)1.5B and SmolLM2-135M, as their configs give them.
 QWEN15 = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                      num_key_value_heads=2, vocab_size=151936)
@@ -57,14 +54,9 @@ def test_bound_limits_and_the_default_choice_before_layer_zero():
 
 
 @pytest.fixture(scope="module")
-def scale_bench():
-    import sys
-
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_engine_scale")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def scale_bench(research_module):
+    with research_module("bench_engine_scale") as module:
+        yield module
 
 
 @pytest.mark.parametrize("store", ["disk", "memory"])

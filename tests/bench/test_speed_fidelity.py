@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def speed_fidelity():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("speed_fidelity")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def speed_fidelity(research_module):
+    with research_module("speed_fidelity") as module:
+        yield module
 
 
 def harness_run(path: Path, methods: list[dict]) -> Path:
