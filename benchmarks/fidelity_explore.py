@@ -59,7 +59,8 @@ from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
                              key_correction_layers, local_key_correction, oracle_blend, probes_offset,
-                             residual_deviation, robust_shift_estimate, similar_shift, sloped_shift)
+                             positional_shift, residual_deviation, robust_shift_estimate, similar_shift,
+                             sloped_shift)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -373,6 +374,8 @@ def run(args: argparse.Namespace) -> None:
                     opts = _options(m)
                     patches.enter_context(similar_shift(float(opts["shift_kernel"]), opts.get("shift_kernel_on", "key"),
                                                         opts.get("shift_kernel_pool", "probes")))
+                if "shift_poskernel" in _options(m):
+                    patches.enter_context(positional_shift(float(_options(m)["shift_poskernel"])))
                 if "tail_layers" in _options(m):
                     first = L - int(_options(m)["tail_layers"])
                     if (cond, first) not in tails:

@@ -47,7 +47,7 @@ from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
-                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool")
+                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool", "shift_poskernel")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
@@ -341,9 +341,10 @@ def sloped_shift(kind: str, feature: str = "own", pool: str = "probes") -> Abstr
     computed, per channel. With ``pool="all"`` every recomputed token estimates, not only the probes: the
     deviation selector picks tokens by that very number, so a slope on it is what would let its biased picks
     estimate the shift for the ordinary tokens."""
-    if kind not in ("channel", "head") or feature not in ("own", "deviation", "logdeviation"):
-        raise ValueError(f"shift_slope={kind!r}: channel or head; shift_slope_on={feature!r}: own, deviation or "
-                         "logdeviation")
+    if kind not in ("channel", "head") or feature not in ("own", "deviation", "logdeviation", "position",
+                                                          "logposition"):
+        raise ValueError(f"shift_slope={kind!r}: channel or head; shift_slope_on={feature!r}: own, deviation, "
+                         "logdeviation, position or logposition")
     if pool not in ("probes", "all"):
         raise ValueError(f"shift_slope_pool={pool!r}: probes or all")
     original_select = BlendRun._select
@@ -382,11 +383,42 @@ def sloped_shift(kind: str, feature: str = "own", pool: str = "probes") -> Abstr
     def sloped(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
                change: torch.Tensor) -> torch.Tensor:
         own = stale_keys if kind == "key" else stale_values
+        if feature in ("position", "logposition"):
+            offset = chunk_offsets(self).to(own.device, torch.float32)
+            offset = torch.log1p(offset) if feature == "logposition" else offset
+            return fitted(self, offset.view(1, 1, -1, 1).expand_as(own), change)
         return fitted(self, own if feature == "own" else deviation_feature(self, own), change)
 
-    if feature == "own":
+    if feature in ("own", "position", "logposition"):
         return stale_correction(sloped, pool)
     return _both(stale_correction(sloped, pool), attribute_replaced(BlendRun, "_select", select_and_keep_deviation))
+
+
+def chunk_offsets(run: BlendRun) -> torch.Tensor:
+    """Each blendable cached token's offset from its chunk's first token (0 outside the chunks)."""
+    offsets = torch.zeros(run.layout.n_cached, dtype=torch.long)
+    for start, end in run.layout.chunk_spans:
+        offsets[start:end] = torch.arange(end - start)
+    return offsets
+
+
+def positional_shift(length: float) -> AbstractContextManager[None]:
+    """Each stale entry moved by its group's probes' changes weighted by ``exp(-|offset - offset_probe| /
+    length)``: a kernel in the token's place within its chunk instead of in its key. A token early in its
+    chunk computed alone attended to few tokens, one late to many, so its error may follow its place; a
+    window (``shift_window``) is the same idea in steps. ``length`` large: the group's mean."""
+    if length <= 0:
+        raise ValueError(f"shift_poskernel={length}: a length in tokens, above 0")
+
+    def weighted(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
+                 change: torch.Tensor) -> torch.Tensor:
+        offset = chunk_offsets(self).to(change.device, torch.float32)
+        distance = (offset.unsqueeze(1) - offset[self.estimators].unsqueeze(0)).abs()
+        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
+        weights = torch.softmax((-distance / length).masked_fill(~same, float("-inf")), dim=-1).nan_to_num(0.0)
+        return weights.view(1, 1, *weights.shape) @ change
+
+    return stale_correction(weighted, "probes")
 
 
 @contextmanager

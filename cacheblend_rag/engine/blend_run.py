@@ -417,6 +417,7 @@ class BlendRun:
             exact_kv_tokens=exact_kv,
             selected_positions=[] if self.selected is None else layout.cached_pos[self.selected].tolist(),
             timings=self.timings,
+            probes_dropped=self.probes_dropped,
         )
         return BlendResult(logits=logits, cache=cache, input_ids=layout.input_ids, stats=stats)
 

@@ -36,6 +36,9 @@ class BlendStats:
     fallback_reason: str | None = None
     blend_setting: str | None = None  # the setting's short name, e.g. "query_profiled@0.15"
     config_source: str | None = None  # "built-in", "user", "calibrated: <file>", "calibrated (shipped): <file>"
+    # the setting asked for probe tokens but the budget could not hold them: the blend ran without the
+    # probes and the stale corrections they drive (the setting's name still carries them)
+    probes_dropped: bool = False
 
     @property
     def reuse_fraction(self) -> float:
@@ -61,6 +64,7 @@ class BlendStats:
             "fallback_reason": self.fallback_reason,
             "blend_setting": self.blend_setting,
             "config_source": self.config_source,
+            "probes_dropped": self.probes_dropped,
         }
 
 

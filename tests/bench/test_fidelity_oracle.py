@@ -190,7 +190,8 @@ def test_a_pooled_slope_changes_the_blend_but_not_its_selection(oracle, setup):
     _, _, _, blend, _, _ = setup
     mean = blend(PROBED)
     for kind, feature, pool in (("channel", "own", "probes"), ("head", "own", "probes"),
-                                ("channel", "deviation", "all"), ("channel", "logdeviation", "probes")):
+                                ("channel", "deviation", "all"), ("channel", "logdeviation", "probes"),
+                                ("channel", "position", "probes"), ("head", "logposition", "probes")):
         with oracle.sloped_shift(kind, feature, pool):
             sloped = blend(PROBED)
         assert sloped.stats.selected_positions == mean.stats.selected_positions
@@ -200,3 +201,18 @@ def test_a_pooled_slope_changes_the_blend_but_not_its_selection(oracle, setup):
         oracle.sloped_shift("token")
     with pytest.raises(ValueError, match="shift_slope_pool='some'"):
         oracle.sloped_shift("channel", "own", "some")
+
+
+def test_a_long_positional_kernel_is_the_probes_mean_and_a_short_one_is_not(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    with oracle.positional_shift(1e9):
+        flat = blend(PROBED)
+    torch.testing.assert_close(flat.logits, mean.logits, atol=1e-5, rtol=1e-5)
+    with oracle.positional_shift(1.0):
+        local = blend(PROBED)
+    assert local.stats.selected_positions == mean.stats.selected_positions
+    assert torch.isfinite(local.logits).all()
+    assert not torch.allclose(local.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_poskernel=0"):
+        oracle.positional_shift(0)

@@ -154,3 +154,7 @@ def test_a_budget_below_the_probes_drops_them_and_the_corrections(blend_inputs, 
                                                                 stale_value_correction=0.0))
     assert result.stats.selected_positions == alone.stats.selected_positions
     torch.testing.assert_close(result.logits, alone.logits, atol=0, rtol=0)
+    assert result.stats.probes_dropped and result.stats.to_dict()["probes_dropped"]
+    assert not alone.stats.probes_dropped
+    held = engine.blend(segments, config=probed.with_overrides(shift_probe_stride=10))
+    assert not held.stats.probes_dropped  # a budget that holds the probes keeps them
