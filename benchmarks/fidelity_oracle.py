@@ -30,7 +30,9 @@ layer: a trust region against the one chunk whose estimate runs away).
 ``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
 much the probes' placement alone moves a result. Estimates finer than a group's mean (docs/quality.md, "Estimates of
 the shift beyond the probes' mean"): ``shift_kernel`` (a similarity-weighted mean of the group's probes),
-``shift_slope`` (the mean plus a slope pooled over the prompt) and ``deviation_residual`` (the deviation selector
+``shift_slope`` (the mean plus a slope pooled over the prompt; ``shift_slope_on=position|logposition`` on the
+token's offset in its chunk), ``shift_poskernel`` (the probes weighted by how near they sit to the token in its
+chunk; "Where the shipped setting's probes fall") and ``deviation_residual`` (the deviation selector
 scoring a token's change less its chunk's mean). Research code: it patches ``BlendRun`` while active and is not
 part of the package.
 """
