@@ -275,11 +275,17 @@ def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> Ab
                  change: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.normalize(stale_keys if feature == "key" else stale_values, dim=-1)
         sim = x @ x[:, :, self.estimators].transpose(-1, -2)  # [1, kv_heads, cached, estimators]
-        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
-        logits = (beta * sim).masked_fill(~same, float("-inf"))
-        return torch.softmax(logits, dim=-1).nan_to_num(0.0) @ change  # a chunk without estimators: no change
+        return group_kernel(self, beta * sim, change)
 
     return stale_correction(weighted, pool)
+
+
+def group_kernel(run: BlendRun, logits: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+    """Each cached token's estimate: the estimators' ``change`` weighted by ``softmax(logits)`` over the
+    estimators of its own shift group (``logits`` ``[..., cached, estimators]``); a group without estimators:
+    no change."""
+    same = run.chunk_of.unsqueeze(1) == run.chunk_of[run.estimators].unsqueeze(0)
+    return torch.softmax(logits.masked_fill(~same, float("-inf")), dim=-1).nan_to_num(0.0) @ change
 
 
 def stale_correction(shift_of: Any, pool: str) -> AbstractContextManager[None]:
@@ -416,9 +422,7 @@ def positional_shift(length: float) -> AbstractContextManager[None]:
                  change: torch.Tensor) -> torch.Tensor:
         offset = chunk_offsets(self).to(change.device, torch.float32)
         distance = (offset.unsqueeze(1) - offset[self.estimators].unsqueeze(0)).abs()
-        same = self.chunk_of.unsqueeze(1) == self.chunk_of[self.estimators].unsqueeze(0)
-        weights = torch.softmax((-distance / length).masked_fill(~same, float("-inf")), dim=-1).nan_to_num(0.0)
-        return weights.view(1, 1, *weights.shape) @ change
+        return group_kernel(self, -distance / length, change)
 
     return stale_correction(weighted, "probes")
 
