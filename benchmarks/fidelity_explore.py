@@ -57,9 +57,9 @@ from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E40
 from fidelity_keymap import KEYMAP_OPTIONS, keymap_blend  # noqa: E402
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
-from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction,  # noqa: E402
-                             key_correction_layers, local_key_correction, oracle_blend, probes_offset,
-                             positional_shift, residual_deviation, robust_shift_estimate, similar_shift,
+from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction, chunk_lead_tokens,  # noqa: E402
+                             corrected_profile, key_correction_layers, local_key_correction, oracle_blend,
+                             probes_offset, positional_shift, residual_deviation, robust_shift_estimate, similar_shift,
                              sloped_shift)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
@@ -389,6 +389,12 @@ def run(args: argparse.Namespace) -> None:
                     fitted = Path(opts.get("keymap_dir", "../results/keymap/fits")) / f"{opts['keymap']}_q{q}.safetensors"
                     patches.enter_context(keymap_blend(load_file(str(fitted))["weights"], opts["keymap"],
                                                        float(opts.get("keymap_scale", 1.0))))
+                if "lead_tokens" in _options(m):
+                    patches.enter_context(chunk_lead_tokens(int(_options(m)["lead_tokens"])))
+                if "profile_source" in _options(m):
+                    first = cfg.with_overrides(recompute_ratio=float(_options(m)["profile_source"]))
+                    patches.enter_context(corrected_profile(lambda: engine.blend(segs, config=first).cache,
+                                                            _options(m).get("profile_rank", "corrected")))
                 res = engine.blend(segs, config=cfg)
             blend_s = time.time() - t0
             # diagnostics: K/V distance of stale (not recomputed) cached tokens, layer by layer

@@ -49,7 +49,8 @@ from cacheblend_rag.engine.blend_run import BlendRun
 
 ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
                   "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
-                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool", "shift_poskernel")
+                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool", "shift_poskernel",
+                  "profile_source", "profile_rank", "lead_tokens")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift")
 
@@ -268,8 +269,9 @@ def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> Ab
     layer's writes: a kernel regression on the probes instead of their plain mean (``beta=0``: the mean).
     ``pool="all"`` lets every recomputed token of the chunk estimate, not only the probes: the kernel is
     meant to keep the selector's unusual tokens from speaking for ordinary ones."""
-    if feature not in ("key", "value") or pool not in ("probes", "all"):
-        raise ValueError(f"shift_kernel_on={feature!r} (key or value), shift_kernel_pool={pool!r} (probes or all)")
+    if feature not in ("key", "value") or pool not in ESTIMATOR_POOLS:
+        raise ValueError(f"shift_kernel_on={feature!r} (key or value), shift_kernel_pool={pool!r} "
+                         f"(one of {', '.join(ESTIMATOR_POOLS)})")
 
     def weighted(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
                  change: torch.Tensor) -> torch.Tensor:
@@ -278,6 +280,11 @@ def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> Ab
         return group_kernel(self, beta * sim, change)
 
     return stale_correction(weighted, pool)
+
+
+# Which recomputed tokens estimate the stale shift: the probes; every recomputed token; or every one but each
+# chunk's first token, a sink when the chunk is computed alone, whose change is no other token's.
+ESTIMATOR_POOLS = ("probes", "all", "nonsink")
 
 
 def group_kernel(run: BlendRun, logits: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
@@ -302,6 +309,9 @@ def stale_correction(shift_of: Any, pool: str) -> AbstractContextManager[None]:
             return
         use_probes = self.probes.numel() and pool == "probes"
         self.estimators = self.probes[torch.isin(self.probes, selected)] if use_probes else selected
+        if pool == "nonsink":
+            starts = torch.tensor([start for start, _ in layout.chunk_spans], device=selected.device)
+            self.estimators = selected[~torch.isin(selected, starts)]
         if not self.estimators.numel():
             return
         cached_pos = layout.cached_pos
@@ -431,3 +441,61 @@ def positional_shift(length: float) -> AbstractContextManager[None]:
 def _both(first: AbstractContextManager[None], second: AbstractContextManager[None]) -> Iterator[None]:
     with first, second:
         yield
+
+
+PROFILE_RANKS = ("corrected", "change")
+
+
+def corrected_profile(first_pass: Any, rank: str = "corrected") -> AbstractContextManager[None]:
+    """The profile's ranking of the cached tokens, measured over a corrected cache instead of the stale one.
+
+    ``first_pass()`` runs a blend (the probes with their shifts, at a small ratio) and returns its decoding cache;
+    while active, every profile pass keeps its own stale merged K/V, which the blend builds on, but ranks the
+    tokens by the question's attention over that cache's layers. The reading it tests: at 1.5B the full-reuse
+    profile looks through stale late-layer keys, so it may rank the wrong tokens. Its cost, were it built, is the
+    probes' recompute once more (or their K/V carried over) and a second profile pass.
+
+    ``rank="change"`` ranks by how far the question's attention moves between the two caches instead,
+    ``|corrected - stale|``: the tokens whose stale K/V mislead the question most, read too much or too little."""
+    if rank not in PROFILE_RANKS:
+        raise ValueError(f"profile_rank={rank!r}: choose one of {', '.join(PROFILE_RANKS)}")
+    from cacheblend_rag.engine import blend_run
+    from cacheblend_rag.engine.profile import Profile
+
+    cache = first_pass()
+    original = blend_run.profile_question
+
+    class CorrectedLayers:
+        def __init__(self, merged: Any) -> None:
+            self.cos, self.sin = merged.cos, merged.sin
+
+        def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            slot = cache.layers[layer]
+            return slot.keys.clone(), slot.values.clone()
+
+    def profiled(a: Any, layout: Any, merged: Any, layers: int, question_tokens: int | None) -> Profile:
+        stale = original(a, layout, merged, layers, question_tokens)
+        corrected = original(a, layout, CorrectedLayers(merged), layers, question_tokens)
+        ranking = corrected.question_attention
+        if rank == "change":
+            ranking = (ranking - stale.question_attention).abs()
+        return Profile(keys=stale.keys, values=stale.values, question_attention=ranking)
+
+    return attribute_replaced(blend_run, "profile_question", profiled)
+
+
+def chunk_lead_tokens(n: int) -> AbstractContextManager[None]:
+    """``query_profiled`` takes each chunk's first ``n`` tokens (among those it may choose: the probes are already
+    in) before ranking the rest by the question's attention. A chunk computed alone gives its first tokens almost
+    nothing to attend to, so their K/V are the furthest from full prefill's; the profile ranks by what the
+    question reads and may leave them stale, where plain CacheBlend's deviation picks them."""
+    from cacheblend_rag.engine.selection import QueryProfiled, top_indices
+
+    def select(self: QueryProfiled, ctx: Any) -> torch.Tensor:
+        scores = ctx.question_attention().float().clone()
+        leads = [i for start, end in ctx.chunk_spans for i in range(start, min(end, start + n))]
+        if leads:
+            scores[torch.tensor(leads, device=scores.device)] = float("inf")
+        return top_indices(scores, ctx.budget)
+
+    return attribute_replaced(QueryProfiled, "select", select)

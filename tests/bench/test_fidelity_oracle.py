@@ -171,6 +171,26 @@ def test_the_similarity_kernel_at_zero_sharpness_is_the_probes_mean(oracle, setu
         oracle.similar_shift(1.0, "query")
 
 
+def test_the_nonsink_pool_estimates_from_every_recomputed_token_but_each_chunks_first(oracle, setup, monkeypatch):
+    _, _, _, blend, n_lead, _ = setup
+    seen = []
+    kernel = oracle.group_kernel
+
+    def recording(run, logits, change):
+        starts = {start for start, _ in run.layout.chunk_spans}
+        seen.append((set(run.estimators.tolist()), set(run.selected.tolist()) - starts, set(run.probes.tolist())))
+        return kernel(run, logits, change)
+
+    monkeypatch.setattr(oracle, "group_kernel", recording)
+    with oracle.similar_shift(0.0, "key", "nonsink"):
+        result = blend(PROBED)
+    assert torch.isfinite(result.logits).all() and seen
+    estimators, selected_but_starts, probes = seen[-1]
+    assert estimators == selected_but_starts and probes < estimators  # the probes and the selector's picks
+    with pytest.raises(ValueError, match="shift_kernel_pool='some'"):
+        oracle.similar_shift(1.0, "key", "some")
+
+
 def test_residual_deviation_ignores_a_change_shared_by_a_whole_chunk(oracle):
     from cacheblend_rag.engine.selection import SelectionContext
 
@@ -216,3 +236,29 @@ def test_a_long_positional_kernel_is_the_probes_mean_and_a_short_one_is_not(orac
     assert not torch.allclose(local.logits, mean.logits, atol=1e-4)
     with pytest.raises(ValueError, match="shift_poskernel=0"):
         oracle.positional_shift(0)
+
+
+def test_a_profile_over_the_full_reuse_cache_ranks_as_the_plain_profile(oracle, setup):
+    _, full, _, blend, _, _ = setup
+    profiled = BlendConfig(selection="query_profiled", recompute_ratio=0.25)
+    plain = blend(profiled)
+    with oracle.corrected_profile(lambda: blend(profiled.with_overrides(recompute_ratio=0.0)).cache):
+        same = blend(profiled)
+    assert same.stats.selected_positions == plain.stats.selected_positions
+    torch.testing.assert_close(same.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    # Ranked over the exact cache, the blend still builds on the stale chunks: it is no full prefill.
+    with oracle.corrected_profile(lambda: blend(profiled.with_overrides(recompute_ratio=1.0)).cache):
+        ranked = blend(profiled)
+    assert len(ranked.stats.selected_positions) == len(plain.stats.selected_positions)
+    assert not torch.allclose(ranked.logits, full.logits, atol=1e-4)
+
+
+def test_lead_tokens_put_each_chunks_first_tokens_in_the_profiles_choice(oracle, setup):
+    _, _, _, blend, n_lead, n_chunks = setup
+    profiled = BlendConfig(selection="query_profiled", recompute_ratio=0.25)
+    plain = set(blend(profiled).stats.selected_positions)
+    with oracle.chunk_lead_tokens(3):
+        led = blend(profiled).stats.selected_positions
+    leads = {n_lead + 24 * c + i for c in range(3) for i in range(3)}  # the fixture's three 24-token chunks
+    assert leads <= set(led) and len(led) == len(plain)
+    assert set(led) - leads <= plain  # the rest of the budget: the profile's own ranking
