@@ -172,7 +172,7 @@ def test_the_similarity_kernel_at_zero_sharpness_is_the_probes_mean(oracle, setu
 
 
 def test_the_nonsink_pool_estimates_from_every_recomputed_token_but_each_chunks_first(oracle, setup, monkeypatch):
-    _, _, _, blend, n_lead, _ = setup
+    _, _, _, blend, _, _ = setup
     seen = []
     kernel = oracle.group_kernel
 
@@ -251,10 +251,12 @@ def test_a_profile_over_the_full_reuse_cache_ranks_as_the_plain_profile(oracle, 
         ranked = blend(profiled)
     assert len(ranked.stats.selected_positions) == len(plain.stats.selected_positions)
     assert not torch.allclose(ranked.logits, full.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="profile_rank='most'"):
+        oracle.corrected_profile(lambda: None, "most")
 
 
 def test_lead_tokens_put_each_chunks_first_tokens_in_the_profiles_choice(oracle, setup):
-    _, _, _, blend, n_lead, n_chunks = setup
+    _, _, _, blend, n_lead, _ = setup
     profiled = BlendConfig(selection="query_profiled", recompute_ratio=0.25)
     plain = set(blend(profiled).stats.selected_positions)
     with oracle.chunk_lead_tokens(3):
