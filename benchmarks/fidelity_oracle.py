@@ -307,11 +307,13 @@ def stale_correction(shift_of: Any, pool: str) -> AbstractContextManager[None]:
         selected, layout = self.selected, self.layout
         if selected is None or not selected.numel() or not layout.chunk_spans:
             return
-        use_probes = self.probes.numel() and pool == "probes"
-        self.estimators = self.probes[torch.isin(self.probes, selected)] if use_probes else selected
-        if pool == "nonsink":
+        if pool == "probes" and self.probes.numel():
+            self.estimators = self.probes[torch.isin(self.probes, selected)]
+        elif pool == "nonsink":
             starts = torch.tensor([start for start, _ in layout.chunk_spans], device=selected.device)
             self.estimators = selected[~torch.isin(selected, starts)]
+        else:
+            self.estimators = selected
         if not self.estimators.numel():
             return
         cached_pos = layout.cached_pos
@@ -489,13 +491,9 @@ def chunk_lead_tokens(n: int) -> AbstractContextManager[None]:
     in) before ranking the rest by the question's attention. A chunk computed alone gives its first tokens almost
     nothing to attend to, so their K/V are the furthest from full prefill's; the profile ranks by what the
     question reads and may leave them stale, where plain CacheBlend's deviation picks them."""
-    from cacheblend_rag.engine.selection import QueryProfiled, top_indices
+    from cacheblend_rag.engine.selection import QueryProfiled, chunk_starts_first, top_indices
 
     def select(self: QueryProfiled, ctx: Any) -> torch.Tensor:
-        scores = ctx.question_attention().float().clone()
-        leads = [i for start, end in ctx.chunk_spans for i in range(start, min(end, start + n))]
-        if leads:
-            scores[torch.tensor(leads, device=scores.device)] = float("inf")
-        return top_indices(scores, ctx.budget)
+        return top_indices(chunk_starts_first(ctx.question_attention().float(), ctx.chunk_spans, n), ctx.budget)
 
     return attribute_replaced(QueryProfiled, "select", select)

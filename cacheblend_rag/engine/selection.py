@@ -104,6 +104,16 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order).values
 
 
+def chunk_starts_first(scores: torch.Tensor, chunk_spans: Sequence[tuple[int, int]], n: int) -> torch.Tensor:
+    """A copy of ``scores`` in which each chunk's first ``n`` tokens outrank every other token; among them
+    :func:`top_indices` keeps the earlier ones when the budget cannot hold them all."""
+    starts = [i for start, end in chunk_spans for i in range(start, min(end, start + n))]
+    boosted = scores.clone()
+    if starts:
+        boosted[torch.tensor(starts, device=scores.device)] = float("inf")
+    return boosted
+
+
 def _normalise(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     span = x.max() - x.min()
@@ -160,12 +170,7 @@ class SinkAware(SelectionStrategy):
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         scores = ctx.deviation_scores(self.deviation)
-        sinks = [i for start, end in ctx.chunk_spans for i in range(start, min(end, start + self.sink_tokens))]
-        sinks = sinks[: ctx.budget]
-        boosted = scores.clone()
-        if sinks:
-            boosted[torch.tensor(sinks, device=scores.device)] = float("inf")
-        return top_indices(boosted, ctx.budget)
+        return top_indices(chunk_starts_first(scores, ctx.chunk_spans, self.sink_tokens), ctx.budget)
 
 
 @dataclass(frozen=True)
