@@ -59,8 +59,8 @@ from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction, chunk_lead_tokens,  # noqa: E402
                              corrected_profile, key_correction_layers, local_key_correction, oracle_blend,
-                             probes_offset, positional_shift, residual_deviation, robust_shift_estimate, similar_shift,
-                             sloped_shift)
+                             local_shift, pooled_offset_shift, positional_shift, probes_offset, residual_deviation,
+                             robust_shift_estimate, similar_shift, sloped_shift)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -376,6 +376,11 @@ def run(args: argparse.Namespace) -> None:
                                                         opts.get("shift_kernel_pool", "probes")))
                 if "shift_poskernel" in _options(m):
                     patches.enter_context(positional_shift(float(_options(m)["shift_poskernel"])))
+                if "shift_offset_profile" in _options(m):
+                    patches.enter_context(pooled_offset_shift(int(_options(m)["shift_offset_profile"]),
+                                                              _options(m).get("shift_offset_pool", "mean")))
+                if "shift_local" in _options(m):
+                    patches.enter_context(local_shift(_options(m)["shift_local"]))
                 if "tail_layers" in _options(m):
                     first = L - int(_options(m)["tail_layers"])
                     if (cond, first) not in tails:

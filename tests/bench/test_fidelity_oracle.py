@@ -5,6 +5,9 @@ per-chunk mean."""
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -264,3 +267,71 @@ def test_lead_tokens_put_each_chunks_first_tokens_in_the_profiles_choice(oracle,
     leads = {n_lead + 24 * c + i for c in range(3) for i in range(3)}  # the fixture's three 24-token chunks
     assert leads <= set(led) and len(led) == len(plain)
     assert set(led) - leads <= plain  # the rest of the budget: the profile's own ranking
+
+
+def test_an_offset_profile_one_bucket_wide_is_the_probes_mean_and_a_narrow_one_is_not(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    with oracle.pooled_offset_shift(10**6):  # one bucket: the departures from each chunk's mean sum to zero
+        flat = blend(PROBED)
+    torch.testing.assert_close(flat.logits, mean.logits, atol=1e-5, rtol=1e-5)
+    with oracle.pooled_offset_shift(6):
+        shaped = blend(PROBED)
+    assert shaped.stats.selected_positions == mean.stats.selected_positions
+    assert torch.isfinite(shaped.logits).all()
+    assert not torch.allclose(shaped.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_offset_profile=0"):
+        oracle.pooled_offset_shift(0)
+
+
+def test_the_shape_oracle_leaves_each_offset_buckets_error_with_zero_mean_over_the_chunks(oracle, setup):
+    _, _, reference, blend, first, n = setup
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shape", "2-2", 8)):
+        shaped = blend(CB)
+    selected = torch.tensor(shaped.stats.selected_positions, dtype=torch.long)
+    positions = torch.arange(first, first + n)
+    stale = positions[~torch.isin(positions, selected)]
+    bucket = ((stale - first) % 24) // 8  # three chunks of 24 tokens
+    error = shaped.cache.layers[2].values[0][:, stale] - reference[2][1][:, stale]
+    for b in bucket.unique():
+        torch.testing.assert_close(error[:, bucket == b].mean(dim=1), torch.zeros_like(error[:, 0]), atol=1e-5, rtol=0)
+    chunk = (stale - first) // 24
+    per_chunk = torch.stack([error[:, chunk == c].mean(dim=1) for c in chunk.unique()])
+    assert per_chunk.abs().max() > 1e-4  # the chunks' own means are not zero: the shape is shared, not theirs
+
+
+def test_a_local_shift_keeps_the_selection_and_moves_the_blend_off_the_probes_mean(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    mean = blend(PROBED)
+    for mode in ("nearest", "adaptive"):
+        with oracle.local_shift(mode):
+            local = blend(PROBED)
+        assert local.stats.selected_positions == mean.stats.selected_positions
+        assert torch.isfinite(local.logits).all()
+    with oracle.local_shift("nearest"):
+        nearest = blend(PROBED)
+    assert not torch.allclose(nearest.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_local='far'"):
+        oracle.local_shift("far")
+
+
+def test_the_adaptive_local_weight_follows_how_much_neighbouring_probes_agree(oracle):
+    run = SimpleNamespace(layout=SimpleNamespace(n_cached=8), chunk_of=torch.zeros(8, dtype=torch.long),
+                          estimators=torch.tensor([1, 3, 5, 7]))
+    run._chunk_means = lambda change: change.mean(dim=2, keepdim=True).expand(-1, -1, 8, -1)
+    captured = {}
+
+    def capture(shift_of, pool):
+        captured["shift_of"] = shift_of
+        return contextlib.nullcontext()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(oracle, "stale_correction", capture)
+        oracle.local_shift("adaptive")
+    shift_of = captured["shift_of"]
+    smooth = torch.tensor([1.0, 1.0, -1.0, -1.0]).view(1, 1, 4, 1)  # neighbours agree: the drift is kept
+    alternating = torch.tensor([1.0, -1.0, 1.0, -1.0]).view(1, 1, 4, 1)  # they disagree: nothing is kept
+    kept = shift_of(run, "value", None, None, smooth)[0, 0, :, 0]
+    assert kept[0] > 0 and kept[7] < 0 and kept.abs().max() < 1.0  # a share of the departure, not all of it
+    dropped = shift_of(run, "value", None, None, alternating)[0, 0, :, 0]
+    torch.testing.assert_close(dropped, torch.zeros(8))
