@@ -59,8 +59,8 @@ from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction, chunk_lead_tokens,  # noqa: E402
                              corrected_profile, key_correction_layers, local_key_correction, oracle_blend,
-                             local_shift, pooled_offset_shift, positional_shift, probes_offset, residual_deviation,
-                             robust_shift_estimate, similar_shift, sloped_shift)
+                             conditioned_shape, local_shift, pooled_offset_shift, positional_shift, probes_offset,
+                             residual_deviation, robust_shift_estimate, similar_shift, sloped_shift)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -325,8 +325,8 @@ def run(args: argparse.Namespace) -> None:
                     "sink": tuple(prompt.lead_ids[:1])}
         tails: dict[tuple[str, int], torch.Tensor] = {}  # (conditioning, first layer): the chunks' hidden states
         for cond, prefix in prefixes.items():
-            if any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and parse_method(m)[0].selection
-                   in ("sensitivity", "sensitive_read")) for m in todo):
+            if any(parse_method(m)[1] == cond or (cond in ("plain", "prefix") and (parse_method(m)[0].selection
+                   in ("sensitivity", "sensitive_read") or "shift_shape" in _options(m))) for m in todo):
                 t0 = time.time()
                 chunks[cond] = stored_chunks(engine, store, prompt.chunk_ids, prefix)
                 print(f"q{q}: chunks cond={cond} {time.time()-t0:.1f}s", flush=True)
@@ -379,6 +379,9 @@ def run(args: argparse.Namespace) -> None:
                 if "shift_offset_profile" in _options(m):
                     patches.enter_context(pooled_offset_shift(int(_options(m)["shift_offset_profile"]),
                                                               _options(m).get("shift_offset_pool", "mean")))
+                if "shift_shape" in _options(m):
+                    patches.enter_context(conditioned_shape(chunks["plain"], chunks["prefix"],
+                                                            int(_options(m)["shift_shape"])))
                 if "shift_local" in _options(m):
                     patches.enter_context(local_shift(_options(m)["shift_local"]))
                 if "tail_layers" in _options(m):

@@ -335,3 +335,22 @@ def test_the_adaptive_local_weight_follows_how_much_neighbouring_probes_agree(or
     assert kept[0] > 0 and kept[7] < 0 and kept.abs().max() < 1.0  # a share of the departure, not all of it
     dropped = shift_of(run, "value", None, None, alternating)[0, 0, :, 0]
     torch.testing.assert_close(dropped, torch.zeros(8))
+
+
+def test_a_conditioned_shape_is_nothing_when_the_prefix_changes_nothing_and_moves_the_blend_when_it_does(
+        oracle, three_chunk_prompt):
+    engine, _, chunks, _, blend = three_chunk_prompt
+    plain = [engine.prefill_chunk(c) for c in chunks]
+    behind = [engine.prefill_chunk(c, prefix_ids=[11, 12, 13, 14, 15]) for c in chunks]
+    config = PROBED.with_overrides(shift_window=12)
+    mean = blend(config)
+    with oracle.conditioned_shape(plain, plain, 6):
+        same = blend(config)
+    torch.testing.assert_close(same.logits, mean.logits, atol=1e-5, rtol=1e-5)
+    with oracle.conditioned_shape(plain, behind, 6):
+        shaped = blend(config)
+    assert shaped.stats.selected_positions == mean.stats.selected_positions
+    assert torch.isfinite(shaped.logits).all()
+    assert not torch.allclose(shaped.logits, mean.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="shift_shape=0"):
+        oracle.conditioned_shape(plain, plain, 0)
