@@ -377,8 +377,7 @@ def run(args: argparse.Namespace) -> None:
                 if "shift_poskernel" in _options(m):
                     patches.enter_context(positional_shift(float(_options(m)["shift_poskernel"])))
                 if "shift_offset_profile" in _options(m):
-                    patches.enter_context(pooled_offset_shift(int(_options(m)["shift_offset_profile"]),
-                                                              _options(m).get("shift_offset_pool", "mean")))
+                    patches.enter_context(pooled_offset_shift(int(_options(m)["shift_offset_profile"])))
                 if "shift_shape" in _options(m):
                     patches.enter_context(conditioned_shape(chunks["plain"], chunks["prefix"],
                                                             int(_options(m)["shift_shape"])))

@@ -53,7 +53,7 @@ ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers",
                   "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
                   "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool", "shift_poskernel",
                   "profile_source", "profile_rank", "lead_tokens", "shift_offset_profile",
-                  "shift_offset_pool", "shift_local", "shift_shape")
+                  "shift_local", "shift_shape")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift", "kv_shape")
 
@@ -118,6 +118,7 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         if not shape:
             return means
         return means + chunk_means(diff - means, bucket, int(bucket.max()) + 1)
+
     if "k" in setting.mode.split("_")[0]:
         cur = key_layer[0, :, pos].float()
         target = ref_k[:, pos].float()
@@ -456,7 +457,7 @@ def positional_shift(length: float) -> AbstractContextManager[None]:
     return stale_correction(weighted, "probes")
 
 
-def pooled_offset_shift(width: int, pool: str = "mean") -> AbstractContextManager[None]:
+def pooled_offset_shift(width: int) -> AbstractContextManager[None]:
     """Each stale entry moved by its group's probes' mean plus the prompt's *shape* at its place: the probes'
     departures from their own group's mean, averaged over every chunk of the prompt by the offset bucket
     (``offset // width``, from the chunk's first token) they sit in, added at the token's bucket. The oracles
@@ -464,12 +465,9 @@ def pooled_offset_shift(width: int, pool: str = "mean") -> AbstractContextManage
     passages): the error drifts along a chunk. A window's own two or three probes estimate that drift too
     noisily (``shift_poskernel``); pooled over ten chunks, a bucket's departure rests on ten probes, on the bet
     that the drift's shape is the prompt's (a chunk's first tokens lost the most when it was computed alone)
-    while its level is the chunk's. ``pool="median"`` takes a bucket's median departure (per head and channel)
-    instead of its mean, so that one chunk's runaway probe does not move the bucket in every chunk."""
+    while its level is the chunk's."""
     if width <= 0:
         raise ValueError(f"shift_offset_profile={width}: a bucket width in tokens, above 0")
-    if pool not in ("mean", "median"):
-        raise ValueError(f"shift_offset_pool={pool!r}: choose mean or median")
 
     def shaped(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
                change: torch.Tensor) -> torch.Tensor:
@@ -477,11 +475,6 @@ def pooled_offset_shift(width: int, pool: str = "mean") -> AbstractContextManage
         bucket = chunk_offsets(self).to(change.device) // width
         departure = change - means[:, :, self.estimators]
         n_buckets = int(bucket.max()) + 1
-        if pool == "median":
-            profile = change.new_zeros(change.shape[0], change.shape[1], n_buckets, change.shape[3])
-            for b in bucket[self.estimators].unique():
-                profile[:, :, b] = departure[:, :, bucket[self.estimators] == b].median(dim=2).values
-            return means + profile[:, :, bucket]
         totals = change.new_zeros(change.shape[0], change.shape[1], n_buckets, change.shape[3])
         totals.index_add_(2, bucket[self.estimators], departure)
         counts = torch.bincount(bucket[self.estimators], minlength=n_buckets).clamp(min=1)
@@ -539,7 +532,8 @@ def conditioned_shape(plain: list[Any], conditioned: list[Any], width: int) -> A
         raise ValueError(f"shift_shape={width}: a window width in tokens, above 0")
     offsets = torch.cat([torch.arange(len(c)) for c in plain])
     chunk = torch.cat([torch.full((len(c),), i, dtype=torch.long) for i, c in enumerate(plain)])
-    window = chunk * (int(offsets.max()) // width + 1) + offsets // width  # windows nest in 100-token shift groups
+    # Windows must nest in the blend's shift groups (``width`` divides ``shift_window``) to be departures from them.
+    window = chunk * (int(offsets.max()) // width + 1) + offsets // width
 
     deltas = {kind: [torch.cat([getattr(c, attr)[layer].float() - getattr(p, attr)[layer].float()
                                 for p, c in zip(plain, conditioned)], dim=1)  # [heads, cached, d]

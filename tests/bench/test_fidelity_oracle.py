@@ -226,17 +226,23 @@ def test_a_pooled_slope_changes_the_blend_but_not_its_selection(oracle, setup):
         oracle.sloped_shift("channel", "own", "some")
 
 
-def test_a_long_positional_kernel_is_the_probes_mean_and_a_short_one_is_not(oracle, setup):
-    _, _, _, blend, _, _ = setup
-    mean = blend(PROBED)
-    with oracle.positional_shift(1e9):
-        flat = blend(PROBED)
+def assert_the_mean_then_moved(blend, config, as_mean, moved):
+    """Blended under the patch ``as_mean`` the result is the probes' plain mean; under ``moved`` the same tokens are
+    chosen and the blend moves off it."""
+    mean = blend(config)
+    with as_mean:
+        flat = blend(config)
     torch.testing.assert_close(flat.logits, mean.logits, atol=1e-5, rtol=1e-5)
-    with oracle.positional_shift(1.0):
-        local = blend(PROBED)
+    with moved:
+        local = blend(config)
     assert local.stats.selected_positions == mean.stats.selected_positions
     assert torch.isfinite(local.logits).all()
     assert not torch.allclose(local.logits, mean.logits, atol=1e-4)
+
+
+def test_a_long_positional_kernel_is_the_probes_mean_and_a_short_one_is_not(oracle, setup):
+    _, _, _, blend, _, _ = setup
+    assert_the_mean_then_moved(blend, PROBED, oracle.positional_shift(1e9), oracle.positional_shift(1.0))
     with pytest.raises(ValueError, match="shift_poskernel=0"):
         oracle.positional_shift(0)
 
@@ -271,15 +277,8 @@ def test_lead_tokens_put_each_chunks_first_tokens_in_the_profiles_choice(oracle,
 
 def test_an_offset_profile_one_bucket_wide_is_the_probes_mean_and_a_narrow_one_is_not(oracle, setup):
     _, _, _, blend, _, _ = setup
-    mean = blend(PROBED)
-    with oracle.pooled_offset_shift(10**6):  # one bucket: the departures from each chunk's mean sum to zero
-        flat = blend(PROBED)
-    torch.testing.assert_close(flat.logits, mean.logits, atol=1e-5, rtol=1e-5)
-    with oracle.pooled_offset_shift(6):
-        shaped = blend(PROBED)
-    assert shaped.stats.selected_positions == mean.stats.selected_positions
-    assert torch.isfinite(shaped.logits).all()
-    assert not torch.allclose(shaped.logits, mean.logits, atol=1e-4)
+    # One bucket: the departures from each chunk's mean sum to zero.
+    assert_the_mean_then_moved(blend, PROBED, oracle.pooled_offset_shift(10**6), oracle.pooled_offset_shift(6))
     with pytest.raises(ValueError, match="shift_offset_profile=0"):
         oracle.pooled_offset_shift(0)
 
@@ -342,15 +341,7 @@ def test_a_conditioned_shape_is_nothing_when_the_prefix_changes_nothing_and_move
     engine, _, chunks, _, blend = three_chunk_prompt
     plain = [engine.prefill_chunk(c) for c in chunks]
     behind = [engine.prefill_chunk(c, prefix_ids=[11, 12, 13, 14, 15]) for c in chunks]
-    config = PROBED.with_overrides(shift_window=12)
-    mean = blend(config)
-    with oracle.conditioned_shape(plain, plain, 6):
-        same = blend(config)
-    torch.testing.assert_close(same.logits, mean.logits, atol=1e-5, rtol=1e-5)
-    with oracle.conditioned_shape(plain, behind, 6):
-        shaped = blend(config)
-    assert shaped.stats.selected_positions == mean.stats.selected_positions
-    assert torch.isfinite(shaped.logits).all()
-    assert not torch.allclose(shaped.logits, mean.logits, atol=1e-4)
+    assert_the_mean_then_moved(blend, PROBED.with_overrides(shift_window=12), oracle.conditioned_shape(plain, plain, 6),
+                               oracle.conditioned_shape(plain, behind, 6))
     with pytest.raises(ValueError, match="shift_shape=0"):
         oracle.conditioned_shape(plain, plain, 0)
