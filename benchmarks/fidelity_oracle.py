@@ -80,12 +80,18 @@ class OracleSetting:
         return cls(mode, first, last, int(window or 0))
 
 
+def group_means(diff: torch.Tensor, group_of: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``diff`` ``[heads, tokens, d]``, ``group_of`` ``[tokens]``: each group's mean of ``diff``,
+    ``[heads, n_groups, d]`` (a group without tokens: zero)."""
+    totals = diff.new_zeros(diff.shape[0], n_groups, diff.shape[2])
+    totals.index_add_(1, group_of, diff)
+    counts = torch.bincount(group_of, minlength=n_groups).clamp(min=1)
+    return totals / counts.view(1, -1, 1)
+
+
 def chunk_means(diff: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> torch.Tensor:
     """``diff`` ``[heads, tokens, d]``, ``chunk_of`` ``[tokens]``: each token's chunk mean of ``diff``."""
-    totals = diff.new_zeros(diff.shape[0], n_chunks, diff.shape[2])
-    totals.index_add_(1, chunk_of, diff)
-    counts = torch.bincount(chunk_of, minlength=n_chunks).clamp(min=1)
-    return (totals / counts.view(1, -1, 1))[:, chunk_of]
+    return group_means(diff, chunk_of, n_chunks)[:, chunk_of]
 
 
 def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: torch.Tensor,
@@ -96,16 +102,13 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
     layout = run.layout
     chunk_of = torch.full((layout.n_cached,), -1, dtype=torch.long)
     groups = 0
+    # ``kv_shape``: one level per chunk, the departures from it shared by the prompt's chunks by offset bucket
+    # (``oracle_window`` is the bucket's width there).
+    shape = setting.mode.endswith("_shape")
     for start, end in layout.chunk_spans:
-        width = setting.window or (end - start)
+        width = (end - start) if shape or not setting.window else setting.window
         chunk_of[start:end] = groups + torch.arange(end - start) // width
         groups += -(-(end - start) // width)
-    shape = setting.mode.endswith("_shape")
-    if shape:  # one level per chunk, the departures from it shared by the prompt's chunks by offset bucket
-        chunk_of = torch.full((layout.n_cached,), -1, dtype=torch.long)
-        for i, (start, end) in enumerate(layout.chunk_spans):
-            chunk_of[start:end] = i
-        groups = len(layout.chunk_spans)
     stale = ~torch.isin(layout.cached_pos, run.active) & (chunk_of >= 0)
     pos, chunk_of = layout.cached_pos[stale], chunk_of[stale]
     if shape:
@@ -113,7 +116,7 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
     ref_k, ref_v = reference[layer]
     full = setting.mode.endswith("_full")
 
-    def group_means(diff: torch.Tensor) -> torch.Tensor:
+    def shift_of(diff: torch.Tensor) -> torch.Tensor:
         means = chunk_means(diff, chunk_of, groups)
         if not shape:
             return means
@@ -127,13 +130,13 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         else:
             cos, sin = run.cos[:, pos].float(), run.sin[:, pos].float()
             diff = run.a.apply_rope((target - cur).unsqueeze(0), cos, -sin)[0]
-            shift = run.a.apply_rope(group_means(diff).unsqueeze(0), cos, sin)[0]
+            shift = run.a.apply_rope(shift_of(diff).unsqueeze(0), cos, sin)[0]
             new = cur + shift
         key_layer[0, :, pos] = new.to(key_layer.dtype)
     if "v" in setting.mode.split("_")[0]:
         cur = value_layer[0, :, pos].float()
         target = ref_v[:, pos].float()
-        new = target if full else cur + group_means(target - cur)
+        new = target if full else cur + shift_of(target - cur)
         value_layer[0, :, pos] = new.to(value_layer.dtype)
 
 
@@ -474,11 +477,8 @@ def pooled_offset_shift(width: int) -> AbstractContextManager[None]:
         means = self._chunk_means(change)  # [1, heads, cached, d]
         bucket = chunk_offsets(self).to(change.device) // width
         departure = change - means[:, :, self.estimators]
-        n_buckets = int(bucket.max()) + 1
-        totals = change.new_zeros(change.shape[0], change.shape[1], n_buckets, change.shape[3])
-        totals.index_add_(2, bucket[self.estimators], departure)
-        counts = torch.bincount(bucket[self.estimators], minlength=n_buckets).clamp(min=1)
-        return means + (totals / counts.view(1, 1, -1, 1))[:, :, bucket]
+        profile = group_means(departure[0], bucket[self.estimators], int(bucket.max()) + 1)
+        return means + profile[:, bucket].unsqueeze(0)
 
     return stale_correction(shaped, "probes")
 
