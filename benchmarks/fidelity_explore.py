@@ -60,7 +60,8 @@ from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa:
 from fidelity_oracle import (ORACLE_OPTIONS, OracleSetting, affine_key_correction, chunk_lead_tokens,  # noqa: E402
                              corrected_profile, key_correction_layers, local_key_correction, oracle_blend,
                              conditioned_shape, local_shift, pooled_offset_shift, positional_shift, probes_offset,
-                             residual_deviation, robust_shift_estimate, similar_shift, sloped_shift)
+                             probe_truth_shift, residual_deviation, robust_shift_estimate, similar_shift,
+                             sloped_shift)
 
 APE_OPTIONS = ("ape_T", "ape_S", "ape_M")  # ApeSetting's temperature, lse_scale and mass, in that order
 NEIGHBOUR_VARIANTS = ("nb1", "nb2", "nb3")  # FusionRAG-style: behind the lead and the n most similar passages
@@ -261,11 +262,13 @@ def ape_of(spec: str) -> ApeSetting | None:
 
 
 def oracle_of(spec: str) -> OracleSetting | None:
-    """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B][;oracle_window=N]``, or None."""
+    """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B][;oracle_window=N]
+    [;oracle_sample=S]``, or None."""
     options = _options(spec)
     if "oracle" not in options:
         return None
-    return OracleSetting.parse(options["oracle"], options.get("oracle_layers"), options.get("oracle_window"))
+    return OracleSetting.parse(options["oracle"], options.get("oracle_layers"), options.get("oracle_window"),
+                               options.get("oracle_sample"))
 
 
 def stored_chunks(engine: CacheBlendEngine, store: ChunkCache, chunk_ids: list[list[int]],
@@ -383,6 +386,8 @@ def run(args: argparse.Namespace) -> None:
                                                             int(_options(m)["shift_shape"])))
                 if "shift_local" in _options(m):
                     patches.enter_context(local_shift(_options(m)["shift_local"]))
+                if _options(m).get("shift_truth"):
+                    patches.enter_context(probe_truth_shift(ref_kv))
                 if "tail_layers" in _options(m):
                     first = L - int(_options(m)["tail_layers"])
                     if (cond, first) not in tails:
@@ -503,27 +508,38 @@ def report(args: argparse.Namespace) -> None:
             print(f"- {m['method']}: {len(m['questions'])} questions ({', '.join(map(str, m['questions']))}), "
                   f"recovery {100 * m['recovery']:.0f}%, worse {m['worse']}")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+        fig, ax = _recovery_axes((9, 5.5))
         for m in complete:
             x, y = estimated_speedup(m["method"], shapes), 100 * m["recovery"]
             ax.scatter(x, y, color="tab:red" if m["worse"] else "tab:blue")
             ax.annotate(f"{_short(m['method'])} ({m['worse']} worse)", (x, y), textcoords="offset points",
                         xytext=(4, 2), fontsize=7)
-        ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
         ax.axvline(3.5, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("TTFT speedup over full prefill at 3,043 tokens (estimated from the work bound)")
-        ax.set_ylabel(f"recovery of full reuse's KL, {len(qs)} questions (%)")
-        ax.set_title(f"{args.model}: speed against fidelity (targets: >= 70%, >= 3.5x; red: a question worse "
-                     "than full reuse)", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        print(f"\nplot written to {args.plot}")
+        _save_recovery_plot(fig, ax, args.plot, len(qs), f"{args.model}: speed against fidelity (targets: >= 70%, "
+                            ">= 3.5x; red: a question worse than full reuse)", legend=False)
+
+
+def _recovery_axes(size: tuple[float, float]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=size, dpi=120)
+
+
+def _save_recovery_plot(fig, ax, path: str, n_questions: int, title: str, legend: bool = True) -> None:
+    """The plots' shared frame: recovery on the y axis with the issue's 70% line, then the PNG written."""
+    ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_ylabel(f"recovery of full reuse's KL, {n_questions} questions (%)")
+    ax.set_title(title, fontsize=9)
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"\nplot written to {path}")
 
 
 PLACED = re.compile(r"kv_deviation@(?P<ratio>[0-9.]+);shift_probe_stride=(?P<stride>\d+);stale_key_correction=1;"
@@ -555,12 +571,7 @@ def placements(args: argparse.Namespace) -> None:
         print(f"| {ratio:g} | {stride} | {100 // stride} | {cells} | {sum(rec) / len(rec):.0f}% | "
               f"{max(rec) - min(rec):.0f} points |")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+        fig, ax = _recovery_axes((7, 4.5))
         colours = {0.15: "tab:orange", 0.2: "tab:blue", 0.3: "tab:green"}
         ratios = sorted({ratio for ratio, _ in found})
         for (ratio, stride), by_offset in found.items():
@@ -569,14 +580,56 @@ def placements(args: argparse.Namespace) -> None:
             ax.scatter([x] * len(ys), ys, color=colours.get(ratio, "grey"), s=22,
                        label=f"@{ratio:g}" if stride == min(s for r, s in found if r == ratio) else None)
             ax.plot([x, x], [min(ys), max(ys)], color=colours.get(ratio, "grey"), linewidth=1)
-        ax.axhline(70, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xlabel("probe stride (tokens between probes; 100-token chunks)")
-        ax.set_ylabel(f"recovery of full reuse's KL, {len(qs)} questions (%)")
-        ax.set_title(f"{args.model}: plain CacheBlend + probes, one point per probe placement", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        print(f"\nplot written to {args.plot}")
+        _save_recovery_plot(fig, ax, args.plot, len(qs),
+                            f"{args.model}: plain CacheBlend + probes, one point per probe placement")
+
+
+def windows(args: argparse.Namespace) -> None:
+    """How many known errors a window's shift needs: ``--base`` with the window oracle fed the exact errors of the
+    stale tokens at every ``oracle_sample``-th offset (about ``window / sample`` a window) or of all of them, beside
+    probes at any stride with ``shift_window=W``, shifted by their changes in the blend or by their exact errors
+    (``shift_truth``). A table and a plot of recovery against known errors per window."""
+    rows = [json.loads(line) for path in args.results for line in open(path, encoding="utf-8") if line.strip()]
+    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    qs, methods = summarize(rows)
+    w = args.window
+    oracle = re.compile(re.escape(f"{args.base};oracle=kv_shift;oracle_window={w}") + r"(?:;oracle_sample=(\d+))?")
+    probed = re.compile(r".*;shift_probe_stride=(\d+);stale_key_correction=1;stale_value_correction=1;"
+                        + re.escape(f"shift_window={w}") + r"(;shift_truth=1)?")
+    series: dict[str, list[tuple[float, dict]]] = {}
+    for m in methods:
+        if len(m["questions"]) < len(qs):
+            continue
+        if match := oracle.fullmatch(m["method"]):
+            per_window = w / int(match[1]) if match[1] else w * (1 - _ratio(args.base))  # all: the stale ones
+            series.setdefault("stale tokens' exact errors (oracle)", []).append((per_window, m))
+        elif match := probed.fullmatch(m["method"]):
+            kind = "probes' exact errors" if match[2] else "probes' changes in the blend"
+            series.setdefault(kind, []).append((w / int(match[1]), m))
+    print(f"{args.model}, {args.setup}, {len(qs)} questions: one shift per {w}-token window, from how many known "
+          "errors\n")
+    print("| from | known errors a window | recovery | worse | method |")
+    print("|---|---|---|---|---|")
+    for kind, points in series.items():
+        for x, m in sorted(points, key=lambda p: p[0]):
+            print(f"| {kind} | {x:.1f} | {100 * m['recovery']:.0f}% | {m['worse']}/{len(qs)} | {m['method']} |")
+    if args.plot:
+        fig, ax = _recovery_axes((7, 4.5))
+        for index, (kind, points) in enumerate(series.items()):
+            points = sorted(points, key=lambda p: p[0])
+            ax.plot([x for x, _ in points], [100 * m["recovery"] for _, m in points], marker="o", label=kind)
+            for x, m in points:
+                if m["worse"]:
+                    ax.annotate(f"{m['worse']} worse", (x, 100 * m["recovery"]), textcoords="offset points",
+                                xytext=(4, -10 - 8 * index), fontsize=7, color="tab:red")
+        ax.set_xlabel(f"known errors per {w}-token window")
+        _save_recovery_plot(fig, ax, args.plot, len(qs), f"{args.model}: one shift per {w}-token window, from how "
+                            "many errors")
+
+
+def _ratio(method: str) -> float:
+    return float(re.search(r"@([0-9.]+)", method)[1])
 
 
 def estimates(args: argparse.Namespace) -> None:
@@ -663,8 +716,17 @@ def main(argv: list[str] | None = None) -> None:
     es.add_argument("--offsets", default="2,8", help="probe offsets measured besides the engine's")
     es.add_argument("--model", default="qwen2.5-coder-1.5b")
     es.add_argument("--setup", default="p10_t100_teach16")
+    wi = sub.add_parser("windows", help="one shift per window, from how many known errors: table and plot")
+    wi.add_argument("results", nargs="+", help="JSONLs `run` wrote")
+    wi.add_argument("--base", default="query_profiled@0.2;shift_probe_stride=10;stale_key_correction=1;"
+                    "stale_value_correction=1;shift_window=100", help="the method the window oracle runs on")
+    wi.add_argument("--window", type=int, default=10)
+    wi.add_argument("--plot", help="write the PNG here")
+    wi.add_argument("--model", default="qwen2.5-coder-1.5b")
+    wi.add_argument("--setup", default="p10_t100_teach16")
     args = parser.parse_args(argv)
-    {"run": run, "report": report, "placements": placements, "estimates": estimates}[args.command](args)
+    {"run": run, "report": report, "placements": placements, "estimates": estimates,
+     "windows": windows}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ patches, an oracle moves the stale entries towards the reference:
   (``oracle_window`` tokens wide, default 10), pooled over every chunk: the ceiling of ``shift_offset_profile``.
 
 ``layers`` (``"a-b"``, inclusive) limits it to those layers; ``window`` (``oracle_window``) gives the shift modes
-one shift per window of that many tokens of a chunk, as the engine's ``shift_window`` does for its estimate. Not an oracle, but patched the same way:
+one shift per window of that many tokens of a chunk, as the engine's ``shift_window`` does for its estimate;
+``sample`` (``oracle_sample``) takes each of those shifts from the exact errors of the stale tokens at every
+``sample``-th offset only, to see how many known errors a window needs. Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
 weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
@@ -35,7 +37,8 @@ the shift beyond the probes' mean"): ``shift_kernel`` (a similarity-weighted mea
 ``shift_slope`` (the mean plus a slope pooled over the prompt; ``shift_slope_on=position|logposition`` on the
 token's offset in its chunk), ``shift_poskernel`` (the probes weighted by how near they sit to the token in its
 chunk; "Where the shipped setting's probes fall") and ``deviation_residual`` (the deviation selector
-scoring a token's change less its chunk's mean). Research code: it patches ``BlendRun`` while active and is not
+scoring a token's change less its chunk's mean). ``shift_truth``, a diagnostic, gives the probes their exact errors
+in place of their changes in the blend. Research code: it patches ``BlendRun`` while active and is not
 part of the package.
 """
 
@@ -49,11 +52,11 @@ import torch
 
 from cacheblend_rag.engine.blend_run import BlendRun
 
-ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "keyshift_layers", "keyshift_tau", "keyshift_fit", "shift_estimate",
-                  "probe_offset", "shift_kernel", "shift_kernel_on", "shift_kernel_pool",
-                  "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool", "shift_poskernel",
-                  "profile_source", "profile_rank", "lead_tokens", "shift_offset_profile",
-                  "shift_local", "shift_shape")
+ORACLE_OPTIONS = ("oracle", "oracle_layers", "oracle_window", "oracle_sample", "keyshift_layers", "keyshift_tau",
+                  "keyshift_fit", "shift_estimate", "probe_offset", "shift_kernel", "shift_kernel_on",
+                  "shift_kernel_pool", "deviation_residual", "shift_slope", "shift_slope_on", "shift_slope_pool",
+                  "shift_poskernel", "profile_source", "profile_rank", "lead_tokens", "shift_offset_profile",
+                  "shift_local", "shift_shape", "shift_truth")
 SHIFT_ESTIMATES = ("median", "clip", "shrink", "wiener", "splithalf", "cap")
 MODES = ("k_full", "v_full", "kv_full", "k_shift", "v_shift", "kv_shift", "kv_shape")
 
@@ -64,20 +67,24 @@ class OracleSetting:
     first_layer: int = 0
     last_layer: int = 10**6
     window: int = 0  # the shift modes: one shift per window of this many tokens of a chunk (0: the whole chunk)
+    sample: int = 0  # the shift modes: each shift from the stale tokens at every ``sample``-th offset only (0: all)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"oracle={self.mode!r}: choose one of {', '.join(MODES)}")
         if self.window < 0:
             raise ValueError(f"oracle_window={self.window}: a number of tokens, or 0 for the whole chunk")
+        if self.sample < 0 or (self.sample and self.mode not in ("k_shift", "v_shift", "kv_shift")):
+            raise ValueError(f"oracle_sample={self.sample}: a stride in tokens for the *_shift modes, or 0 for all")
 
     @classmethod
-    def parse(cls, mode: str, layers: str | None, window: int | str | None = None) -> "OracleSetting":
+    def parse(cls, mode: str, layers: str | None, window: int | str | None = None,
+              sample: int | str | None = None) -> "OracleSetting":
         first, last = 0, 10**6
         if layers:
             head, _, tail = str(layers).partition("-")
             first, last = int(head), int(tail or head)
-        return cls(mode, first, last, int(window or 0))
+        return cls(mode, first, last, int(window or 0), int(sample or 0))
 
 
 def group_means(diff: torch.Tensor, group_of: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -116,7 +123,14 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
     ref_k, ref_v = reference[layer]
     full = setting.mode.endswith("_full")
 
+    # ``oracle_sample``: the shift that a few stale tokens' exact errors give, to see how many a window needs; taken
+    # one token past half a stride, beside the probes' places rather than on them (a probe is never stale).
+    phase = (setting.sample // 2 + 1) % setting.sample if setting.sample else 0
+    sampled = (chunk_offsets(run)[stale] % setting.sample == phase) if setting.sample else None
+
     def shift_of(diff: torch.Tensor) -> torch.Tensor:
+        if sampled is not None:
+            return group_means(diff[:, sampled], chunk_of[sampled], groups)[:, chunk_of]
         means = chunk_means(diff, chunk_of, groups)
         if not shape:
             return means
@@ -549,6 +563,27 @@ def conditioned_shape(plain: list[Any], conditioned: list[Any], width: int) -> A
         return self._chunk_means(change) + shape.unsqueeze(0).to(change.device)
 
     return stale_correction(shaped, "probes")
+
+
+def probe_truth_shift(reference: list[tuple[torch.Tensor, torch.Tensor]]) -> AbstractContextManager[None]:
+    """A diagnostic, not an estimate: each shift group's stale entries moved by its probes' *exact* errors (full
+    prefill's K/V at the probes less their stale K/V) instead of by the probes' changes in the blend. It splits
+    what keeps the probes from a window's shift in two: if the exact errors of one probe a window recover what the
+    window oracle does, the probes' recompute is what misleads them (it saw a blend, not the whole prompt); if not,
+    one token's error is no estimate of its window's, however exactly it is known."""
+
+    def exact(self: BlendRun, kind: str, stale_keys: torch.Tensor, stale_values: torch.Tensor,
+              change: torch.Tensor) -> torch.Tensor:
+        ref_k, ref_v = reference[len(self.keys)]  # the layer being patched: its K/V are appended after the patch
+        pos = self.layout.cached_pos[self.estimators]
+        if kind == "key":
+            cos, sin = self.cos[:, pos].float(), self.sin[:, pos].float()
+            truth = self.a.apply_rope(ref_k[:, pos].float().unsqueeze(0).to(stale_keys.device), cos, -sin)
+            return self._chunk_means(truth - stale_keys[:, :, self.estimators])
+        truth = ref_v[:, pos].float().unsqueeze(0).to(stale_values.device)
+        return self._chunk_means(truth - stale_values[:, :, self.estimators])
+
+    return stale_correction(exact, "probes")
 
 
 @contextmanager

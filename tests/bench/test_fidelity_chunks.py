@@ -90,3 +90,25 @@ def test_the_estimates_table_compares_each_variant_with_the_mean_at_the_same_pla
     assert "| `(the mean)` | engine: 60% (0), 2: 40% (0) | 50% | +0.0 [+0.0, +0.0] points |" in table
     assert "| `;k=1` | engine: 80% (0), 2: 40% (0) | 60% | +10.0 [+10.0, +10.0] points |" in table
     assert "| `;k=2` | engine: 30% (1) | 30% | -30.0 [" in table
+
+
+def test_the_windows_table_counts_known_errors_per_window(research, tmp_path, capsys):
+    """``windows``: the window oracle fed every ``K``-th stale token's error knows ``window / K`` a window, all of them
+    the stale share of it; probes every ``S`` tokens know ``window / S``, by their changes or their exact errors."""
+    base = "query_profiled@0.2;x=1"
+    probes = "query_profiled@0.2;shift_probe_stride=5;stale_key_correction=1;stale_value_correction=1;shift_window=10"
+    kl = {"full_reuse": [1.0, 1.0], f"{base};oracle=kv_shift;oracle_window=10;oracle_sample=5": [0.5, 0.5],
+          f"{base};oracle=kv_shift;oracle_window=10": [0.2, 0.2], probes: [1.5, 0.5],
+          probes + ";shift_truth=1": [0.4, 0.4], f"{base};oracle=kv_shift": [0.1, 0.1]}  # one shift a chunk: not a row
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"model": "m", "setup": "s", "q": q, "method": method, "kl": values[q]}) + "\n"
+                            for method, values in kl.items() for q in (0, 1)))
+    research.main(["windows", str(path), "--base", base, "--model", "m", "--setup", "s",
+                   "--plot", str(tmp_path / "w.png")])
+    table = capsys.readouterr().out
+    assert "| stale tokens' exact errors (oracle) | 2.0 | 50% | 0/2 |" in table
+    assert "| stale tokens' exact errors (oracle) | 8.0 | 80% | 0/2 |" in table
+    assert "| probes' changes in the blend | 2.0 | 0% | 1/2 |" in table
+    assert "| probes' exact errors | 2.0 | 60% | 0/2 |" in table
+    assert "oracle=kv_shift |" not in table
+    assert (tmp_path / "w.png").stat().st_size > 0

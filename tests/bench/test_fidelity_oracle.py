@@ -345,3 +345,52 @@ def test_a_conditioned_shape_is_nothing_when_the_prefix_changes_nothing_and_move
                                oracle.conditioned_shape(plain, behind, 6))
     with pytest.raises(ValueError, match="shift_shape=0"):
         oracle.conditioned_shape(plain, plain, 0)
+
+
+def test_an_oracle_shift_sampled_at_every_token_is_the_whole_windows_and_a_sparser_one_is_not(oracle, setup):
+    _, _, reference, blend, _, _ = setup
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shift", None, 8)):
+        whole = blend(CB)
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shift", None, 8, 1)):
+        every = blend(CB)
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shift", None, 8, 4)):
+        sparse = blend(CB)
+    torch.testing.assert_close(every.logits, whole.logits, atol=0, rtol=0)
+    assert sparse.stats.selected_positions == whole.stats.selected_positions
+    assert not torch.allclose(sparse.logits, whole.logits, atol=1e-4)
+    with pytest.raises(ValueError, match="oracle_sample"):
+        oracle.OracleSetting("k_full", sample=2)
+
+
+def test_the_probes_exact_errors_move_each_group_by_their_mean(oracle):
+    # Four cached tokens at prompt positions 2-5 in one group, probes at the first and third; RoPE at angle zero.
+    run = SimpleNamespace(keys=[None], layout=SimpleNamespace(cached_pos=torch.arange(2, 6)),
+                          estimators=torch.tensor([0, 2]), cos=torch.ones(1, 6, 2), sin=torch.zeros(1, 6, 2),
+                          a=SimpleNamespace(apply_rope=lambda x, cos, sin: x * cos + 0 * sin))
+    run._chunk_means = lambda change: change.mean(dim=2, keepdim=True).expand(-1, -1, 4, -1)
+    captured = {}
+
+    def capture(shift_of, pool):
+        captured["shift_of"] = shift_of
+        return contextlib.nullcontext()
+
+    stale = torch.zeros(1, 1, 4, 2)
+    ref = torch.zeros(1, 6, 2)
+    ref[0, 2], ref[0, 4] = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0])  # the probes' exact errors
+    ref[0, 3] = 100.0  # a stale token's own error: not seen
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(oracle, "stale_correction", capture)
+        oracle.probe_truth_shift([(torch.zeros(1, 6, 2), torch.zeros(1, 6, 2)), (ref, ref)])
+    for kind in ("key", "value"):
+        shift = captured["shift_of"](run, kind, stale, stale, None)
+        torch.testing.assert_close(shift[0, 0], torch.tensor([[2.0, 1.0]] * 4))
+
+
+def test_the_probes_exact_errors_keep_the_selection_and_move_the_blend(oracle, setup):
+    _, _, reference, blend, _, _ = setup
+    mean = blend(PROBED)
+    with oracle.probe_truth_shift(reference):
+        exact = blend(PROBED)
+    assert exact.stats.selected_positions == mean.stats.selected_positions
+    assert torch.isfinite(exact.logits).all()
+    assert not torch.allclose(exact.logits, mean.logits, atol=1e-4)
