@@ -594,7 +594,8 @@ def windows(args: argparse.Namespace) -> None:
     rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
     qs, methods = summarize(rows)
     w = args.window
-    oracle = re.compile(re.escape(f"{args.base};oracle=kv_shift;oracle_window={w}") + r"(?:;oracle_sample=(\d+))?")
+    oracle = re.compile(re.escape(f"{args.base};oracle=kv_shift;oracle_window={w}")
+                        + r"(?:;oracle_sample=(\d+)(?:/(\d+))?)?")
     probed = re.compile(r".*;shift_probe_stride=(\d+);stale_key_correction=1;stale_value_correction=1;"
                         + re.escape(f"shift_window={w}") + r"(;shift_truth=1)?")
     series: dict[str, list[tuple[float, dict]]] = {}
@@ -603,7 +604,8 @@ def windows(args: argparse.Namespace) -> None:
             continue
         if match := oracle.fullmatch(m["method"]):
             per_window = w / int(match[1]) if match[1] else w * (1 - _ratio(args.base))  # all: the stale ones
-            series.setdefault("stale tokens' exact errors (oracle)", []).append((per_window, m))
+            kind = "stale tokens' exact errors (oracle" + (", other offsets)" if match[2] else ")")
+            series.setdefault(kind, []).append((per_window, m))
         elif match := probed.fullmatch(m["method"]):
             kind = "probes' exact errors" if match[2] else "probes' changes in the blend"
             series.setdefault(kind, []).append((w / int(match[1]), m))
@@ -618,7 +620,8 @@ def windows(args: argparse.Namespace) -> None:
         fig, ax = _recovery_axes((7, 4.5))
         for index, (kind, points) in enumerate(series.items()):
             points = sorted(points, key=lambda p: p[0])
-            ax.plot([x for x, _ in points], [100 * m["recovery"] for _, m in points], marker="o", label=kind)
+            ax.plot([x for x, _ in points], [100 * m["recovery"] for _, m in points], marker="o", label=kind,
+                    linestyle="none" if "other offsets" in kind else "-")  # several samplings at one x
             for x, m in points:
                 if m["worse"]:
                     ax.annotate(f"{m['worse']} worse", (x, 100 * m["recovery"]), textcoords="offset points",

@@ -16,7 +16,8 @@ patches, an oracle moves the stale entries towards the reference:
 ``layers`` (``"a-b"``, inclusive) limits it to those layers; ``window`` (``oracle_window``) gives the shift modes
 one shift per window of that many tokens of a chunk, as the engine's ``shift_window`` does for its estimate;
 ``sample`` (``oracle_sample``) takes each of those shifts from the exact errors of the stale tokens at every
-``sample``-th offset only, to see how many known errors a window needs. Not an oracle, but patched the same way:
+``sample``-th offset only, to see how many known errors a window needs (``oracle_sample=K/P``: at the offsets
+``P`` modulo ``K``; ``K`` alone: one token past half a stride, beside the probes' places). Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
 weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
@@ -68,6 +69,7 @@ class OracleSetting:
     last_layer: int = 10**6
     window: int = 0  # the shift modes: one shift per window of this many tokens of a chunk (0: the whole chunk)
     sample: int = 0  # the shift modes: each shift from the stale tokens at every ``sample``-th offset only (0: all)
+    sample_phase: int = -1  # at the offsets ``sample_phase`` modulo ``sample`` (-1: one past half a stride)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +78,8 @@ class OracleSetting:
             raise ValueError(f"oracle_window={self.window}: a number of tokens, or 0 for the whole chunk")
         if self.sample < 0 or (self.sample and self.mode not in ("k_shift", "v_shift", "kv_shift")):
             raise ValueError(f"oracle_sample={self.sample}: a stride in tokens for the *_shift modes, or 0 for all")
+        if self.sample and not -1 <= self.sample_phase < self.sample:
+            raise ValueError(f"oracle_sample={self.sample}/{self.sample_phase}: the phase is an offset below the stride")
 
     @classmethod
     def parse(cls, mode: str, layers: str | None, window: int | str | None = None,
@@ -84,7 +88,8 @@ class OracleSetting:
         if layers:
             head, _, tail = str(layers).partition("-")
             first, last = int(head), int(tail or head)
-        return cls(mode, first, last, int(window or 0), int(sample or 0))
+        stride, _, phase = str(sample or 0).partition("/")
+        return cls(mode, first, last, int(window or 0), int(stride), int(phase or -1))
 
 
 def group_means(diff: torch.Tensor, group_of: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -123,9 +128,11 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
     ref_k, ref_v = reference[layer]
     full = setting.mode.endswith("_full")
 
-    # ``oracle_sample``: the shift that a few stale tokens' exact errors give, to see how many a window needs; taken
-    # one token past half a stride, beside the probes' places rather than on them (a probe is never stale).
-    phase = (setting.sample // 2 + 1) % setting.sample if setting.sample else 0
+    # ``oracle_sample``: the shift that a few stale tokens' exact errors give, to see how many a window needs; by
+    # default one token past half a stride, beside the probes' places rather than on them (a probe is never stale).
+    phase = setting.sample_phase
+    if setting.sample and phase < 0:
+        phase = (setting.sample // 2 + 1) % setting.sample
     sampled = (chunk_offsets(run)[stale] % setting.sample == phase) if setting.sample else None
 
     def shift_of(diff: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,8 @@ def test_the_windows_table_counts_known_errors_per_window(research, tmp_path, ca
     probes = "query_profiled@0.2;shift_probe_stride=5;stale_key_correction=1;stale_value_correction=1;shift_window=10"
     kl = {"full_reuse": [1.0, 1.0], f"{base};oracle=kv_shift;oracle_window=10;oracle_sample=5": [0.5, 0.5],
           f"{base};oracle=kv_shift;oracle_window=10": [0.2, 0.2], probes: [1.5, 0.5],
-          probes + ";shift_truth=1": [0.4, 0.4], f"{base};oracle=kv_shift": [0.1, 0.1]}  # one shift a chunk: not a row
+          probes + ";shift_truth=1": [0.4, 0.4], f"{base};oracle=kv_shift": [0.1, 0.1],  # one shift a chunk: not a row
+          f"{base};oracle=kv_shift;oracle_window=10;oracle_sample=5/1": [0.3, 0.3]}
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"model": "m", "setup": "s", "q": q, "method": method, "kl": values[q]}) + "\n"
                             for method, values in kl.items() for q in (0, 1)))
@@ -107,6 +108,7 @@ def test_the_windows_table_counts_known_errors_per_window(research, tmp_path, ca
                    "--plot", str(tmp_path / "w.png")])
     table = capsys.readouterr().out
     assert "| stale tokens' exact errors (oracle) | 2.0 | 50% | 0/2 |" in table
+    assert "| stale tokens' exact errors (oracle, other offsets) | 2.0 | 70% | 0/2 |" in table
     assert "| stale tokens' exact errors (oracle) | 8.0 | 80% | 0/2 |" in table
     assert "| probes' changes in the blend | 2.0 | 0% | 1/2 |" in table
     assert "| probes' exact errors | 2.0 | 60% | 0/2 |" in table

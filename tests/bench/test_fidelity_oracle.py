@@ -358,8 +358,16 @@ def test_an_oracle_shift_sampled_at_every_token_is_the_whole_windows_and_a_spars
     torch.testing.assert_close(every.logits, whole.logits, atol=0, rtol=0)
     assert sparse.stats.selected_positions == whole.stats.selected_positions
     assert not torch.allclose(sparse.logits, whole.logits, atol=1e-4)
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shift", None, 8, "4/3")):
+        default_phase = blend(CB)  # one past half of 4: offset 3
+    with oracle.oracle_blend(reference, oracle.OracleSetting.parse("kv_shift", None, 8, "4/0")):
+        other_phase = blend(CB)
+    torch.testing.assert_close(default_phase.logits, sparse.logits, atol=0, rtol=0)
+    assert not torch.allclose(other_phase.logits, sparse.logits, atol=1e-4)
     with pytest.raises(ValueError, match="oracle_sample"):
         oracle.OracleSetting("k_full", sample=2)
+    with pytest.raises(ValueError, match="phase"):
+        oracle.OracleSetting.parse("kv_shift", None, 8, "4/4")
 
 
 def test_the_probes_exact_errors_move_each_group_by_their_mean(oracle):
