@@ -263,7 +263,7 @@ def ape_of(spec: str) -> ApeSetting | None:
 
 def oracle_of(spec: str) -> OracleSetting | None:
     """An oracle correction from a method's ``;oracle=MODE[;oracle_layers=A-B][;oracle_window=N]
-    [;oracle_sample=S]``, or None."""
+    [;oracle_sample=K[/P]]``, or None."""
     options = _options(spec)
     if "oracle" not in options:
         return None

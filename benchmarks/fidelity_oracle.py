@@ -17,7 +17,8 @@ patches, an oracle moves the stale entries towards the reference:
 one shift per window of that many tokens of a chunk, as the engine's ``shift_window`` does for its estimate;
 ``sample`` (``oracle_sample``) takes each of those shifts from the exact errors of the stale tokens at every
 ``sample``-th offset only, to see how many known errors a window needs (``oracle_sample=K/P``: at the offsets
-``P`` modulo ``K``; ``K`` alone: one token past half a stride, beside the probes' places). Not an oracle, but patched the same way:
+``P`` modulo ``K``; ``K`` alone: one token past half a stride, beside the probes' places; a window without such a
+token keeps the blend's own estimate). Not an oracle, but patched the same way:
 ``keyshift_layers`` applies the engine's ``stale_key_correction`` only in a range of layers, and
 ``keyshift_tau`` makes its estimate local: each stale key moves by its chunk's recomputed keys' changes
 weighted by ``exp(-distance / tau)`` in tokens, instead of by their plain mean; ``keyshift_fit=diag``
