@@ -463,6 +463,12 @@ def estimated_speedup(method: str, shapes: LayerShapes) -> float:
     return bound * MEASURED_SHARE_OF_BOUND["profiled" if profiled else "deviation"]
 
 
+def measured_rows(paths: list[str], model: str, setup: str) -> list[dict]:
+    """The rows of the JSONLs ``run`` wrote, for one model and setup."""
+    rows = [json.loads(line) for path in paths for line in open(path, encoding="utf-8") if line.strip()]
+    return [r for r in rows if r["setup"] == setup and r["model"] == model]
+
+
 def summarize(rows: list[dict], questions: list[int] | None = None) -> tuple[list[int], list[dict]]:
     """Per method over the questions every listed method ran: mean KL, recovery, worse than full reuse."""
     by: dict[str, dict[int, dict]] = {}
@@ -486,8 +492,7 @@ def summarize(rows: list[dict], questions: list[int] | None = None) -> tuple[lis
 def report(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
-    rows = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
-    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    rows = measured_rows([args.results], args.model, args.setup)
     qs, methods = summarize(rows)
     complete = [m for m in methods if len(m["questions"]) == len(qs)]
     folder, _ = converted_gguf_folder(catalog.installed_gguf(catalog.lookup(args.model), cache_root()))
@@ -550,8 +555,7 @@ def placements(args: argparse.Namespace) -> None:
     """How much the probes' placement alone moves plain CacheBlend + probes: every stride and ratio measured at
     more than one ``probe_offset`` (keys and values moved by their whole mean, no other option), one table row
     per stride and ratio, and a plot of recovery by stride with one point per placement."""
-    rows = [json.loads(line) for path in args.results for line in open(path, encoding="utf-8") if line.strip()]
-    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    rows = measured_rows(args.results, args.model, args.setup)
     qs, methods = summarize(rows)
     found: dict[tuple[float, int], dict[int, dict]] = {}
     for m in methods:
@@ -590,8 +594,7 @@ def windows(args: argparse.Namespace) -> None:
     stale tokens at every ``oracle_sample``-th offset (about ``window / sample`` a window) or of all of them, beside
     probes at any stride with ``shift_window=W``, shifted by their changes in the blend or by their exact errors
     (``shift_truth``). A table and a plot of recovery against known errors per window."""
-    rows = [json.loads(line) for path in args.results for line in open(path, encoding="utf-8") if line.strip()]
-    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    rows = measured_rows(args.results, args.model, args.setup)
     qs, methods = summarize(rows)
     w = args.window
     oracle = re.compile(re.escape(f"{args.base};oracle=kv_shift;oracle_window={w}")
@@ -644,8 +647,7 @@ def estimates(args: argparse.Namespace) -> None:
     recomputes both)."""
     import numpy as np
 
-    rows = [json.loads(line) for path in args.results for line in open(path, encoding="utf-8") if line.strip()]
-    rows = [r for r in rows if r["setup"] == args.setup and r["model"] == args.model]
+    rows = measured_rows(args.results, args.model, args.setup)
     kl: dict[str, dict[int, float]] = {}
     for r in rows:
         kl.setdefault(r["method"], {})[r["q"]] = r["kl"]

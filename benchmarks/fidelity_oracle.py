@@ -123,9 +123,9 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
         chunk_of[start:end] = groups + torch.arange(end - start) // width
         groups += -(-(end - start) // width)
     stale = ~torch.isin(layout.cached_pos, run.active) & (chunk_of >= 0)
-    pos, chunk_of = layout.cached_pos[stale], chunk_of[stale]
+    pos, chunk_of, offsets = layout.cached_pos[stale], chunk_of[stale], chunk_offsets(run)[stale]
     if shape:
-        bucket = chunk_offsets(run)[stale] // (setting.window or 10)
+        bucket = offsets // (setting.window or 10)
     ref_k, ref_v = reference[layer]
     full = setting.mode.endswith("_full")
 
@@ -134,7 +134,7 @@ def correct(run: BlendRun, layer: int, key_layer: torch.Tensor, value_layer: tor
     phase = setting.sample_phase
     if setting.sample and phase < 0:
         phase = (setting.sample // 2 + 1) % setting.sample
-    sampled = (chunk_offsets(run)[stale] % setting.sample == phase) if setting.sample else None
+    sampled = (offsets % setting.sample == phase) if setting.sample else None
 
     def shift_of(diff: torch.Tensor) -> torch.Tensor:
         if sampled is not None:
