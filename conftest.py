@@ -4,13 +4,21 @@
 docs/testing.md). Under xdist each worker does its math on one torch thread, and so do the processes
 its tests start (notebook kernels, the fault trial, the README's virtualenv): two workers on two cores,
 not four threads or more fighting for them. The longest tests are sent to the workers first, so that
-they run beside the rest of the suite instead of after it. Run in one process (no ``-n``), nothing
-here changes anything.
+they run beside the rest of the suite instead of after it. Run in one process (no ``-n``), none of
+that scheduling applies.
+
+Models load in float32 on the CPU here (``$CACHEBLEND_DTYPE``), whatever the CPU: on one with a fast
+bfloat16 path the package's own default is bfloat16 (``cacheblend_rag.models.dtype_choice``), and the
+tests' tolerances and expected answers were set in float32, so a run must not depend on the machine's
+flags. The auto choice has its own tests (tests/models/test_dtype_choice.py, the probe stubbed both
+ways); set ``CACHEBLEND_DTYPE=auto`` to run everything in the machine's own default.
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("CACHEBLEND_DTYPE", "float32")  # inherited by the processes tests start (notebooks, venvs)
 
 # The longest tests, longest first (a node id or its beginning). Their files go first: each worker is
 # handed the next file when it is free, so that the longest ones start at once, on different workers,

@@ -14,11 +14,12 @@ MUSIQUE_PATH = Path(os.environ.get("CACHEBLEND_MUSIQUE", REPO_ROOT.parent / "sha
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
-    """The embedded SmolLM2-135M-Instruct (converted once into the user cache). Test prompts are
+    """The embedded SmolLM2-135M-Instruct (converted once into the user cache), in float32: its tests hold
+    blends to float32's tolerances, whatever dtype the machine's default would be. Test prompts are
     shorter than the engine's ``min_blend_tokens``: they must blend, not fall back to full prefill."""
     from cacheblend_rag import CacheBlendEngine
 
-    return CacheBlendEngine.from_pretrained(min_blend_tokens=0)
+    return CacheBlendEngine.from_pretrained(dtype="float32", min_blend_tokens=0)
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,7 @@ from cacheblend_rag.errors import (
     UnsupportedArchitectureError,
 )
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
+from cacheblend_rag.models.dtype_choice import dtype_name
 from cacheblend_rag.models.fingerprint import WeightsStamp, model_fingerprint, weights_stamp
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class CacheBlendEngine:
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
+        # why the model is in this dtype; from_pretrained says how the loader chose it (models.dtype_choice)
+        self.dtype_reason = f"as given: the model passed in holds {dtype_name(first.dtype)}"
         self._fingerprint: str | None = None
         self._stamp: WeightsStamp | None = None
 
@@ -128,8 +131,10 @@ class CacheBlendEngine:
 
         loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False, tokenizer=tokenizer,
                             model_kwargs=model_kwargs)
-        return cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name,
-                   min_blend_tokens=min_blend_tokens, calibration_dir=calibration_dir)
+        engine = cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name,
+                     min_blend_tokens=min_blend_tokens, calibration_dir=calibration_dir)
+        engine.dtype_reason = loaded.dtype_reason
+        return engine
 
     @property
     def fingerprint(self) -> str:
@@ -247,6 +252,7 @@ class CacheBlendEngine:
         cfg, source = (config, "user") if config is not None else self.default_and_source()
         result = self._blend(segments, cfg, store, started)
         result.stats.blend_setting, result.stats.config_source = describe_config(cfg), source
+        result.stats.dtype, result.stats.dtype_reason = dtype_name(self.dtype), self.dtype_reason
         return result
 
     def _blend(self, segments: Iterable[SegmentLike], cfg: BlendConfig, store: KVSourceProvider | None,

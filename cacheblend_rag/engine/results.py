@@ -35,7 +35,11 @@ class BlendStats:
     timings: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None
     blend_setting: str | None = None  # the setting's short name, e.g. "query_profiled@0.15"
-    config_source: str | None = None  # "built-in", "user", "calibrated: <file>", "calibrated (shipped): <file>"
+    # "built-in", "user", "calibrated: <file>", "calibrated (shipped): <file>"; "(... measured in float32)" when
+    # the calibration was measured in another dtype than the engine's; "built-in (<why>)" when one cannot be used
+    config_source: str | None = None
+    dtype: str | None = None  # the engine's compute dtype, "bfloat16"
+    dtype_reason: str | None = None  # why: "auto: bfloat16, 3.7x faster matmul than float32 on <cpu>", "explicit: ..."
     # the setting asked for probe tokens but the budget could not hold them: the blend ran without the
     # probes and the stale corrections they drive (the setting's name still carries them)
     probes_dropped: bool = False
@@ -64,6 +68,8 @@ class BlendStats:
             "fallback_reason": self.fallback_reason,
             "blend_setting": self.blend_setting,
             "config_source": self.config_source,
+            "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason,
             "probes_dropped": self.probes_dropped,
         }
 
