@@ -1,5 +1,5 @@
 """``cacheblend-rag model``: models known by name (``model list``), fetching one (``model fetch``), and what
-loading one here gives (``model info``: the dtype picked and why, the blend setting in force and its source)."""
+loading one here gives (``model info``: the dtype picked and why, the fingerprint and the weights' identities)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,13 @@ def register(subparsers: Any) -> None:
     fetch.add_argument("--force", action="store_true", help="join again even if the file is there")
     fetch.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     fetch.set_defaults(func=run_fetch)
-    info = sub.add_parser("info", help="load a model here and say its dtype (and why), fingerprint and blend setting",
+    info = sub.add_parser("info", help="load a model here and say its dtype (and why), fingerprint and weights identity",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     info.add_argument("name", nargs="?", default=None,
                       help="a catalog name, folder, .gguf or hub id (default: the embedded SmolLM2-135M-Instruct)")
     info.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA if present, else the CPU)")
     info.add_argument("--dtype", default=None,
                       help="auto, float32, bfloat16, float16 (default: $CACHEBLEND_DTYPE, else auto)")
-    info.add_argument("--calibration-dir", default=None, help="where calibrations are looked for (default: "
-                      "$CACHEBLEND_CALIBRATION_DIR, else the cache's calibration folder)")
     info.set_defaults(func=run_info)
 
 
@@ -60,23 +58,23 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from cacheblend_rag.engine.blend import CacheBlendEngine
-    from cacheblend_rag.engine.calibrated import describe_config
+    # The models floor only (tests/test_architecture.py): the loader, not the engine. The blend setting in
+    # force and where it comes from are in every blend's stats (config_source).
     from cacheblend_rag.models.dtype_choice import dtype_name
+    from cacheblend_rag.models.fingerprint import model_fingerprint, weights_identities
+    from cacheblend_rag.models.loader import load_model
 
     try:
-        engine = CacheBlendEngine.from_pretrained(args.name, device=args.device, dtype=args.dtype,
-                                                  calibration_dir=args.calibration_dir)
+        loaded = load_model(args.name, device=args.device, dtype=args.dtype, require_adapter=False)
     except CacheBlendError as exc:
         print(f"cacheblend-rag model info: error: {exc}", file=sys.stderr)
         return 2
-    print(f"model: {engine.model_name}")
-    print(f"device: {engine.device}")
-    print(f"dtype: {dtype_name(engine.dtype)} ({engine.dtype_reason})")
-    if engine.adapter is None:
-        print(f"blend: not supported, served by full prefill ({engine.unsupported_reason})")
-        return 0
-    print(f"fingerprint: {engine.fingerprint}")
-    config, source = engine.default_and_source()
-    print(f"blend setting: {describe_config(config)} ({source})")
+    first = next(loaded.model.parameters())
+    print(f"model: {loaded.name} ({loaded.source})")
+    print(f"device: {first.device}")
+    print(f"dtype: {dtype_name(first.dtype)} ({loaded.dtype_reason})")
+    print(f"blends: {'yes' if loaded.adapter is not None else 'no, an unsupported architecture: full prefill only'}")
+    print(f"fingerprint: {model_fingerprint(loaded.model, loaded.tokenizer, first.dtype)} (keys chunk KV: per dtype)")
+    # What calibrations are found by in any dtype (engine.calibrated): the GGUF's digest, the weights' content.
+    print(f"weights: {', '.join(weights_identities(loaded.model, loaded.tokenizer))}")
     return 0

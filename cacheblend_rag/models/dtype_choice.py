@@ -41,6 +41,7 @@ MIN_BF16_SPEEDUP = 1.3
 # CPU flags (/proc/cpuinfo) under which torch's oneDNN has bfloat16 matmul kernels: x86's AMX and
 # AVX-512 BF16, Arm's BF16 extension. Without one of them torch emulates bfloat16, slower than float32.
 FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+PROBE_FILE = "dtype_probe.json"  # in the loader's cache root
 PROBE_FORMAT = "cacheblend-rag-dtype-probe"
 PROBE_VERSION = 1
 PROBE_ROWS = 256  # a prefill's worth of rows: at 256, AMX's gain on a 576-wide matmul was 4.8x, at 32 only 2x
@@ -72,11 +73,11 @@ def parse_dtype(value: torch.dtype | str, what: str = "dtype") -> torch.dtype | 
 
 
 def choose_dtype(dtype: torch.dtype | str | None, device: torch.device,
-                 width: int | Callable[[], int] | None = None) -> DtypeChoice:
+                 width: int | Callable[[], int | None] | None = None, probe_file: Path | None = None) -> DtypeChoice:
     """The dtype to load in: ``dtype`` if given (not ``"auto"``), else ``$CACHEBLEND_DTYPE`` if set, else
     the device's default: bfloat16 on a GPU that has it (float16 on one that has not), on a CPU the
-    auto choice over a matmul of ``width`` (a callable is asked only if the probe must run), and
-    float32 elsewhere (MPS)."""
+    auto choice over a matmul of ``width`` (a callable is asked only if the probe must run; the result
+    is kept in ``probe_file``, the loader's ``<cache root>/dtype_probe.json``), and float32 elsewhere (MPS)."""
     if dtype is not None:
         chosen = parse_dtype(dtype)
         if chosen is not None:
@@ -93,10 +94,10 @@ def choose_dtype(dtype: torch.dtype | str | None, device: torch.device,
         return DtypeChoice(torch.float16, "auto: float16, this GPU has no bfloat16")
     if device.type != "cpu":
         return DtypeChoice(torch.float32, f"auto: float32 on {device.type}")
-    return cpu_auto_dtype(width)
+    return cpu_auto_dtype(width, probe_file)
 
 
-def cpu_auto_dtype(width: int | Callable[[], int] | None) -> DtypeChoice:
+def cpu_auto_dtype(width: int | Callable[[], int | None] | None, probe_file: Path | None = None) -> DtypeChoice:
     """bfloat16 where this CPU runs a matmul of ``width`` at least :data:`MIN_BF16_SPEEDUP` times faster in
     it than in float32 (measured once per machine), else float32."""
     cpu = cpu_model_name()
@@ -108,7 +109,7 @@ def cpu_auto_dtype(width: int | Callable[[], int] | None) -> DtypeChoice:
     hidden = width() if callable(width) else width
     if not hidden:
         return DtypeChoice(torch.float32, "auto: float32, the model's width is unknown so bfloat16 was not measured")
-    speedup = cached_probe(cpu, int(hidden))
+    speedup = cached_probe(cpu, int(hidden), probe_file)
     flagged = f" ({', '.join(fast)})" if fast else ""
     if speedup >= MIN_BF16_SPEEDUP:
         return DtypeChoice(torch.bfloat16, f"auto: bfloat16, {speedup:.1f}x faster matmul than float32 on "
@@ -142,22 +143,19 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
-def probe_cache_path() -> Path:
-    from cacheblend_rag.models.loader import cache_root
-
-    return cache_root() / "dtype_probe.json"
-
-
 def probe_key(cpu: str, width: int) -> str:
     return f"{cpu} | torch {torch.__version__} | width {width}"
 
 
-def cached_probe(cpu: str, width: int) -> float:
-    """bfloat16's matmul speedup over float32 at ``width`` on this machine: from the probe file if it
-    holds this CPU, torch and width, else measured now (a few to tens of milliseconds) and added to it.
-    The file is JSON, read as data only; an unreadable or malformed one is ignored and rewritten."""
-    path = probe_cache_path()
+def cached_probe(cpu: str, width: int, path: Path | None) -> float:
+    """bfloat16's matmul speedup over float32 at ``width`` on this machine: from the probe file ``path`` if
+    it holds this CPU, torch and width, else measured now (a few to tens of milliseconds) and added to it
+    (``None``: measured, not kept). The file is JSON, read as data only; an unreadable or malformed one is
+    ignored and rewritten."""
     key = probe_key(cpu, width)
+    if path is None:
+        float32_s, bfloat16_s = probe_matmul(width)
+        return float32_s / bfloat16_s
     entries = _read_probe_file(path)
     known = entries.get(key)
     if isinstance(known, dict) and isinstance(known.get("speedup"), (int, float)) and known["speedup"] > 0:

@@ -10,6 +10,11 @@ dtype. Taking the stamp costs well under a millisecond; when it differs (weights
 place, replaced, or a copy of the model), the digest is computed again from the tensors. A
 model whose weights are inference tensors has no version counters: then in-place changes
 cannot be seen, and :func:`weights_stamp` says so (``tracks_changes``).
+
+The fingerprint holds the compute dtype, as chunk KV must. What the weights *are*, whatever dtype
+they were loaded in, is :func:`weights_identities`: the GGUF file they came from, when the loader
+knows it, and their content rounded to bfloat16 (float32 and bfloat16 loads of the same checkpoint
+round to the same bytes). Calibrations are found by these across dtypes (``engine.calibrated``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from torch import nn
 
 # model -> (stamp, digest): weak, so a model's entry goes with it; a copy of a model is another key.
 _DIGESTS: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, str]]" = weakref.WeakKeyDictionary()
+_CANONICAL: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, str]]" = weakref.WeakKeyDictionary()
+# model -> (stamp when loaded, source identity): the file the loader read the weights from, while they are unchanged
+_SOURCES: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, str]]" = weakref.WeakKeyDictionary()
 
 
 class WeightsStamp(NamedTuple):
@@ -62,22 +70,90 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torc
 
 def weights_digest(model: nn.Module) -> str:
     """Digest of every parameter and buffer, computed again whenever :func:`weights_stamp` changes."""
+    return _cached_digest(model, _DIGESTS, None)
+
+
+def canonical_weights_digest(model: nn.Module) -> str:
+    """:func:`weights_digest` of the model with every floating tensor rounded to bfloat16: the same for a
+    float32 and a bfloat16 load of one checkpoint (torch rounds both ways to nearest even). A float16 load
+    rounds twice and differs. For a model already in bfloat16 it is :func:`weights_digest`, at no cost."""
+    floats = [t.dtype for t in model.state_dict().values() if t.is_floating_point()]
+    if floats and all(dtype == torch.bfloat16 for dtype in floats):
+        return weights_digest(model)
+    return _cached_digest(model, _CANONICAL, torch.bfloat16)
+
+
+def _cached_digest(model: nn.Module, cache: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, str]]",
+                   floats_as: torch.dtype | None) -> str:
     stamp = weights_stamp(model)
-    known = _DIGESTS.get(model)
+    known = cache.get(model)
     if known is not None and known[0] == stamp:
         return known[1]
     # XXH3: a content identity, not a defence against crafted weights; about 10x faster than SHA-256.
     h = xxhash.xxh3_128()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu")
+        if floats_as is not None and t.is_floating_point():
+            t = t.to(floats_as)
+        t = t.contiguous()
         h.update(str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
         if t.numel():
             h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     digest = h.hexdigest()
-    _DIGESTS[model] = (stamp, digest)
+    cache[model] = (stamp, digest)
     return digest
+
+
+def record_weights_source(model: nn.Module, identity: str) -> None:
+    """Say where ``model``'s weights were read from (``"gguf-sha256:<digest>"``): one of its
+    :func:`weights_identities` until its weights change."""
+    _SOURCES[model] = (weights_stamp(model), identity)
+
+
+def source_identity(model: nn.Module, stamp: WeightsStamp | None = None) -> str | None:
+    """The identity :func:`record_weights_source` gave, if the weights are still as they were loaded."""
+    known = _SOURCES.get(model)
+    if known is None:
+        return None
+    return known[1] if known[0] == (stamp if stamp is not None else weights_stamp(model)) else None
+
+
+def weights_shape(model: nn.Module) -> dict[str, Any]:
+    """The architecture, width and depth: a cheap first filter before any weights are hashed."""
+    text = model.config.get_text_config(decoder=True)
+    return {"architecture": getattr(model.config, "model_type", type(model).__name__),
+            "hidden_size": getattr(text, "hidden_size", None), "num_hidden_layers": getattr(text, "num_hidden_layers", None)}
+
+
+# model -> (stamp, id of the tokenizer, identity): the tokenizer's digest alone takes tens of milliseconds
+_CONTENT: "weakref.WeakKeyDictionary[nn.Module, tuple[WeightsStamp, int, str]]" = weakref.WeakKeyDictionary()
+
+
+def content_identity(model: nn.Module, tokenizer: Any = None) -> str:
+    """``"content:<sha256>"`` of the architecture, config, tokenizer and :func:`canonical_weights_digest`:
+    what the model computes, up to the dtype it computes in."""
+    stamp = weights_stamp(model)
+    known = _CONTENT.get(model)
+    if known is not None and known[:2] == (stamp, id(tokenizer)):
+        return known[2]
+    payload = {
+        "architecture": getattr(model.config, "model_type", type(model).__name__),
+        "config": _config_dict(model),
+        "tokenizer": tokenizer_digest(tokenizer),
+        "weights_bfloat16": canonical_weights_digest(model),
+    }
+    identity = "content:" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    _CONTENT[model] = (stamp, id(tokenizer), identity)
+    return identity
+
+
+def weights_identities(model: nn.Module, tokenizer: Any = None) -> list[str]:
+    """Every identity of the model's weights that holds across dtypes: the file they were loaded from
+    (while unchanged), then :func:`content_identity` (which hashes the weights once per change)."""
+    source = source_identity(model)
+    return ([source] if source else []) + [content_identity(model, tokenizer)]
 
 
 def _config_dict(model: nn.Module) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import torch
 from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
-from cacheblend_rag.models.dtype_choice import choose_dtype, parse_dtype
+from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, width: int | None = None) -> torch.dtype:
     """The dtype a load with ``dtype`` on ``device`` uses (:func:`~cacheblend_rag.models.dtype_choice.choose_dtype`;
     on a CPU, ``None`` and ``"auto"`` measure bfloat16 against float32 at ``width``, float32 without one)."""
-    return choose_dtype(dtype, device, width).dtype
+    return choose_dtype(dtype, device, width, cache_root() / PROBE_FILE).dtype
 
 
 def _file_digest(path: Path) -> str:
@@ -190,28 +190,11 @@ def load_model(
     for taken in ("dtype", "torch_dtype", "device_map"):
         if taken in model_kwargs:
             raise ModelLoadError(f"model_kwargs[{taken!r}] is set by this package; pass dtype= or device= instead")
-    if name_or_path is None:
-        folder, _ = converted_gguf_folder(default_gguf_path())
-        name, source = DEFAULT_MODEL_NAME, str(folder)
-    else:
-        known = catalog.lookup(str(name_or_path))
-        # A catalog name stands for its fetched GGUF; not fetched, the error says how to fetch it.
-        path = Path(name_or_path).expanduser() if known is None else catalog.installed_gguf(known, cache_root())
-        if path.suffix == ".gguf":
-            if not path.is_file():
-                raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
-            folder, _ = converted_gguf_folder(path.resolve())
-            name, source = (known.name if known is not None else path.stem), str(folder)
-        elif path.is_dir():
-            folder, name, source = path, path.name, str(path)
-        elif path.exists():
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id")
-        else:
-            folder, name, source = None, str(name_or_path), str(name_or_path)
-
+    folder, name, source, _ = _locate(name_or_path)
     target = str(folder) if folder is not None else str(name_or_path)
     hub_options = {} if folder is not None else _hub_options(str(name_or_path))
-    choice = choose_dtype(dtype, dev, lambda: _hidden_width(target, hub_options, model_kwargs))
+    choice = choose_dtype(dtype, dev, lambda: _hidden_width(target, hub_options, model_kwargs),
+                          cache_root() / PROBE_FILE)
     dt = choice.dtype
     loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
     try:
@@ -235,6 +218,27 @@ def load_model(
         adapter = None
     return LoadedModel(model=model, tokenizer=loaded_tokenizer, adapter=adapter, name=name, source=source,
                        dtype_reason=choice.reason)
+
+
+def _locate(name_or_path: str | os.PathLike[str] | None) -> tuple[Path | None, str, str, str | None]:
+    """Where a model is read from: its local folder (``None`` for a hub id), its name, its source as the
+    engine reports it, and the GGUF's digest when it came from one (converted once, here)."""
+    if name_or_path is None:
+        folder, digest = converted_gguf_folder(default_gguf_path())
+        return folder, DEFAULT_MODEL_NAME, str(folder), digest
+    known = catalog.lookup(str(name_or_path))
+    # A catalog name stands for its fetched GGUF; not fetched, the error says how to fetch it.
+    path = Path(name_or_path).expanduser() if known is None else catalog.installed_gguf(known, cache_root())
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
+        folder, digest = converted_gguf_folder(path.resolve())
+        return folder, (known.name if known is not None else path.stem), str(folder), digest
+    if path.is_dir():
+        return path, path.name, str(path), None
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id")
+    return None, str(name_or_path), str(name_or_path), None
 
 
 def _hidden_width(target: str, hub_options: dict[str, Any], model_kwargs: dict[str, Any]) -> int | None:

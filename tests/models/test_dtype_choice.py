@@ -14,10 +14,20 @@ import torch
 from cacheblend_rag import CacheBlendEngine, CachedSegment, FreshSegment, ModelLoadError
 from cacheblend_rag.cli import build_parser
 from cacheblend_rag.models import dtype_choice
-from cacheblend_rag.models.dtype_choice import DTYPE_ENV, choose_dtype, probe_cache_path, probe_matmul
+from cacheblend_rag.models.dtype_choice import DTYPE_ENV, PROBE_FILE, probe_matmul
+from cacheblend_rag.models.loader import cache_root
 from cacheblend_rag.testing import save_tiny_model
 
 CPU = torch.device("cpu")
+
+
+def probe_cache_path():
+    return cache_root() / PROBE_FILE
+
+
+def choose_dtype(dtype, device, width):
+    """As the loader chooses: the probe kept in the cache root."""
+    return dtype_choice.choose_dtype(dtype, device, width, probe_cache_path())
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +155,6 @@ def test_model_info_says_the_dtype_and_why(machine, folder, capsys):
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "dtype: bfloat16 (auto: bfloat16, 4.0x faster matmul than float32 on Test Xeon" in printed
-    assert "blend setting: query_profiled@0.15 (built-in)" in printed
+    assert "weights: content:" in printed and "blends: yes" in printed
     args = build_parser().parse_args(["model", "info", str(folder), "--dtype", "float32"])
     assert args.func(args) == 0 and "dtype: float32 (explicit: float32)" in capsys.readouterr().out
