@@ -60,6 +60,8 @@ from cacheblend_rag.engine.calibrated import (
 )
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.dtype_choice import dtype_name
+from cacheblend_rag.models.fingerprint import weights_identities, weights_shape
 
 logger = logging.getLogger(__name__)
 
@@ -197,12 +199,17 @@ class CalibrationResult:
     message: str
     measurement: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    # the compute dtype measured in, and the weights' identities across dtypes (architecture, width, depth and
+    # "identities"): an engine of the same weights in another dtype finds the result by them (engine.calibrated)
+    dtype: str | None = None
+    weights: dict[str, Any] = field(default_factory=dict)
     created_utc: str = field(
         default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     def to_document(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "model": self.model,
+            **({"dtype": self.dtype} if self.dtype else {}), **({"weights": self.weights} if self.weights else {}),
             "created_utc": self.created_utc, "target": asdict(self.target), "cost": self.cost_kind,
             "target_met": self.target_met, "message": self.message,
             "chosen": {"name": self.chosen.name, "config": self.chosen.config,
@@ -543,7 +550,9 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
                    "add cheaper candidates")
     return CalibrationResult(model=engine.model_name, fingerprint=engine.fingerprint, target=target, cost_kind=cost,
                              prompts=len(keys), candidates=rows, full_reuse=full_reuse, chosen=chosen, target_met=met,
-                             message=message, measurement=measurement, data=data)
+                             message=message, measurement=measurement, data=data, dtype=dtype_name(engine.dtype),
+                             weights={**weights_shape(engine.model),
+                                      "identities": weights_identities(engine.model, engine.tokenizer)})
 
 
 def default_state_path(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> Path:

@@ -24,7 +24,8 @@ from transformers import DynamicCache
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import gate
 from cacheblend_rag.engine.blend_run import SKIP_EXACT_PREFIX_SHARE, BlendRun
-from cacheblend_rag.engine.calibrated import CalibratedSetting, describe_config, load_calibration
+from cacheblend_rag.engine.calibrated import (CalibratedSetting, CalibrationLookup, WeightsKey, describe_config,
+                                              find_calibration)
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
 from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length, split_approximate_prefix
@@ -51,7 +52,8 @@ from cacheblend_rag.errors import (
 )
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import dtype_name
-from cacheblend_rag.models.fingerprint import WeightsStamp, model_fingerprint, weights_stamp
+from cacheblend_rag.models.fingerprint import (WeightsStamp, model_fingerprint, source_identity, weights_identities,
+                                               weights_shape, weights_stamp)
 
 logger = logging.getLogger(__name__)
 
@@ -156,22 +158,33 @@ class CacheBlendEngine:
         return self._fingerprint
 
     # ------------------------------------------------------ the default setting
-    def calibration(self) -> CalibratedSetting | None:
-        """The setting saved by ``cacheblend-rag calibrate`` for this model's fingerprint, if any."""
+    def calibration(self, directory: str | None = None) -> CalibratedSetting | None:
+        """The setting saved by ``cacheblend-rag calibrate`` (or shipped) for this model, if any: its fingerprint's,
+        else its weights' measured in another dtype (:func:`~cacheblend_rag.engine.calibrated.find_calibration`)."""
+        return self.calibration_lookup(directory).setting
+
+    def calibration_lookup(self, directory: str | None = None) -> CalibrationLookup:
+        """:meth:`calibration`, and why none fits where a calibration names this model but cannot be used."""
         if self.adapter is None:
-            return None
-        return load_calibration(self.fingerprint, self.calibration_dir)
+            return CalibrationLookup(None)
+        fingerprint = self.fingerprint  # (checks the weights' stamp first, which source_identity then reuses)
+        key = WeightsKey(fingerprint, dtype_name(self.dtype), self.model_name, weights_shape(self.model),
+                         source_identity(self.model, self._stamp),
+                         lambda: weights_identities(self.model, self.tokenizer))
+        return find_calibration(key, directory or self.calibration_dir)
 
     def default_and_source(self) -> tuple[BlendConfig, str]:
         """The blend setting of calls that pass none, and where it comes from: ``"user"`` (the
         engine's ``config``), ``"calibrated: <file>"`` (the user's calibration), ``"calibrated (shipped):
-        <file>"`` (the one the package ships for this model) or ``"built-in"``."""
+        <file>"`` (the one the package ships for this model; ``(shipped, measured in float32)`` when measured
+        in another dtype) or ``"built-in"`` (``"built-in (<why>)"`` when a calibration names this model but
+        cannot be used)."""
         if self.config_given:
             return self.config, "user"
-        calibrated = self.calibration()
-        if calibrated is None:
-            return self.config, "built-in"
-        return calibrated.apply_to(self.config), calibrated.source
+        found = self.calibration_lookup()
+        if found.setting is None:
+            return self.config, found.source
+        return found.setting.apply_to(self.config), found.source
 
     def default_config(self) -> BlendConfig:
         return self.default_and_source()[0]

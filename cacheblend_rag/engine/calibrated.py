@@ -6,17 +6,28 @@ no blend setting. A file is used only if it is well formed *and* names the same 
 inside it (a file copied or renamed to another model's name is refused); a corrupt file is
 reported once and ignored, never used in part. This module imports neither the engine nor the
 calibration runner, so both can import it.
+
+The fingerprint holds the compute dtype, so a setting measured in float32 is not the bfloat16
+load's by fingerprint. A document also records the dtype it was measured in and the identities of
+its weights that hold across dtypes (``"weights"``: the GGUF file, the weights' content rounded to
+bfloat16; :func:`~cacheblend_rag.models.fingerprint.weights_identities`). :func:`find_calibration`
+takes the exact fingerprint's setting first; failing that, the same weights' setting measured in
+another dtype, which it says (the source reads ``calibrated (measured in float32): <file>``, and a
+warning is logged once). Documents written before these fields existed still match their exact
+fingerprint; one that names the engine's model but cannot be matched to its weights leaves the
+built-in setting in force, with a warning and a source that says why.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.errors import ConfigError
@@ -103,6 +114,11 @@ class CalibratedSetting:
     target_met: bool
     document: dict[str, Any]
     shipped: bool = False  # measured by the project and shipped in the package, not the user's own
+    dtype: str | None = None  # the compute dtype it was measured in (None: a document from before it was recorded)
+    identities: tuple[str, ...] = ()  # the weights' identities across dtypes (document["weights"]["identities"])
+    shape: dict[str, Any] = field(default_factory=dict)  # architecture, hidden_size, num_hidden_layers
+    # set when used for an engine it was not measured on: "measured in float32", and the source says so
+    measured_note: str | None = None
 
     def apply_to(self, base: BlendConfig) -> BlendConfig:
         """``base`` (the user's policy fields) with the calibrated fields."""
@@ -110,19 +126,23 @@ class CalibratedSetting:
 
     @property
     def source(self) -> str:
-        return f"calibrated (shipped): {self.path}" if self.shipped else f"calibrated: {self.path}"
+        notes = ", ".join(n for n in ("shipped" if self.shipped else None, self.measured_note) if n)
+        return f"calibrated ({notes}): {self.path}" if notes else f"calibrated: {self.path}"
 
 
 class CorruptCalibration(ValueError):
     pass
 
 
-def parse_document(document: Any, fingerprint: str, where: str, *, shipped: bool = False) -> CalibratedSetting:
-    """The chosen setting of a calibration document; :class:`CorruptCalibration` says what is wrong."""
+def parse_document(document: Any, fingerprint: str | None, where: str, *, shipped: bool = False) -> CalibratedSetting:
+    """The chosen setting of a calibration document; :class:`CorruptCalibration` says what is wrong.
+    ``fingerprint``: the model it must be for (``None``: any, as the document says)."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CorruptCalibration(f"{where} is not a calibration result (no \"format\": {FORMAT!r})")
     if document.get("version") != VERSION:
         raise CorruptCalibration(f"{where} has version {document.get('version')!r}; this package reads {VERSION}")
+    if fingerprint is None and isinstance(document.get("fingerprint"), str):
+        fingerprint = document["fingerprint"]
     if document.get("fingerprint") != fingerprint:
         raise CorruptCalibration(f"{where} was measured on another model (fingerprint "
                                  f"{str(document.get('fingerprint'))[:12]}, this model is {fingerprint[:12]})")
@@ -140,27 +160,53 @@ def parse_document(document: Any, fingerprint: str, where: str, *, shipped: bool
     conditioned = chosen.get("condition_chunks")
     if not isinstance(conditioned, bool):
         raise CorruptCalibration(f"{where}: chosen.condition_chunks must be true or false")
+    dtype = document.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise CorruptCalibration(f"{where}: \"dtype\" must be a dtype's name, e.g. \"float32\"")
+    weights = document.get("weights", {})
+    identities = weights.get("identities", []) if isinstance(weights, dict) else None
+    if not isinstance(identities, list) or not all(isinstance(i, str) for i in identities):
+        raise CorruptCalibration(f"{where}: \"weights\" must be {{\"identities\": [strings], ...}}")
     return CalibratedSetting(
         path=Path(where), fingerprint=fingerprint, model=str(document.get("model")), config=dict(config),
         condition_chunks=conditioned, name=describe_config(resolved, conditioned),
-        target_met=bool(document.get("target_met")), document=document, shipped=shipped,
+        target_met=bool(document.get("target_met")), document=document, shipped=shipped, dtype=dtype,
+        identities=tuple(identities), shape={k: v for k, v in weights.items() if k != "identities"},
     )
 
 
 # path -> ((mtime_ns, size), setting or None): the engine asks on every blend; a file is read once per change.
 _READ: dict[Path, tuple[tuple[int, int], CalibratedSetting | None]] = {}
+# folder -> (mtime_ns, its calibration files): listed again only when a file is added, removed or replaced
+_LISTED: dict[Path, tuple[int, list[Path]]] = {}
+# what find_calibration found for a key and the files it looked at, each with its (mtime_ns, size)
+_FOUND: dict[tuple[Any, ...], tuple[tuple[Any, ...], "CalibrationLookup"]] = {}
+_WARNED: set[tuple[str, ...]] = set()  # the cross-dtype and no-fit warnings already given, once each
 
 
 def load_calibration(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> CalibratedSetting | None:
     """The calibrated setting of the model ``fingerprint``: the user's (in ``directory``, see
     :func:`calibration_dir`), else the one shipped for it (:data:`SHIPPED_DIR`), else ``None``. A file
-    that is corrupt or another model's is said once per version of the file, as a warning, and skipped."""
+    that is corrupt or another model's is said once per version of the file, as a warning, and skipped.
+    Exact fingerprints only; :func:`find_calibration` also finds the same weights' in another dtype."""
     mine = _read_calibration(calibration_path(fingerprint, directory), fingerprint)
     return mine if mine is not None else _read_calibration(SHIPPED_DIR / f"{fingerprint}.json", fingerprint,
                                                            shipped=True)
 
 
 def _read_calibration(path: Path, fingerprint: str, *, shipped: bool = False) -> CalibratedSetting | None:
+    setting = _read_any(path, shipped=shipped)
+    if setting is None or setting.fingerprint == fingerprint:
+        return setting
+    if _once("another model", str(path), fingerprint, str(_READ[path][0])):
+        logger.warning("ignoring the calibration result %s: it was measured on another model (fingerprint %s, this "
+                       "model is %s); the setting shipped for this model or the built-in one is used. Run "
+                       "`cacheblend-rag calibrate` again to replace it", path, setting.fingerprint[:12], fingerprint[:12])
+    return None
+
+
+def _read_any(path: Path, *, shipped: bool = False) -> CalibratedSetting | None:
+    """The setting in ``path``, whichever model it is for; ``None`` if missing or corrupt (said once)."""
     try:
         stat = path.stat()
     except OSError:
@@ -172,13 +218,117 @@ def _read_calibration(path: Path, fingerprint: str, *, shipped: bool = False) ->
     setting: CalibratedSetting | None
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-        setting = parse_document(document, fingerprint, str(path), shipped=shipped)
+        setting = parse_document(document, None, str(path), shipped=shipped)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, CorruptCalibration) as exc:
         logger.warning("ignoring the calibration result %s: %s; the setting shipped for this model or the "
                        "built-in one is used. Run `cacheblend-rag calibrate` again to replace it", path, exc)
         setting = None
     _READ[path] = (stamp, setting)
     return setting
+
+
+def _once(*key: str) -> bool:
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+@dataclass(frozen=True)
+class WeightsKey:
+    """What an engine knows of its model, for finding a calibration by more than its fingerprint."""
+
+    fingerprint: str
+    dtype: str  # the compute dtype's name, "bfloat16"
+    model: str  # the engine's model name
+    shape: dict[str, Any]  # :func:`~cacheblend_rag.models.fingerprint.weights_shape`
+    source: str | None  # the identity the loader recorded (the GGUF's), which the fingerprint does not hold
+    identities: Callable[[], Sequence[str]]  # all of them; asked only when a document of the same shape may match
+
+
+@dataclass(frozen=True)
+class CalibrationLookup:
+    """What :func:`find_calibration` found: a setting, or none and (``unusable``) why a calibration that
+    names this model could not be used."""
+
+    setting: CalibratedSetting | None
+    unusable: str | None = None
+
+    @property
+    def source(self) -> str:
+        if self.setting is not None:
+            return self.setting.source
+        return f"built-in ({self.unusable})" if self.unusable else "built-in"
+
+
+def find_calibration(key: WeightsKey, directory: str | os.PathLike[str] | None = None) -> CalibrationLookup:
+    """The calibration for ``key``'s model: its exact fingerprint's (the user's, else the shipped one);
+    else the same weights' measured in another dtype (the user's before the shipped, the newest first),
+    said by the setting's source and a warning once; else none, with a warning once and a note if a
+    calibration names this model but records no weights identity to match it by."""
+    exact = load_calibration(key.fingerprint, directory)
+    if exact is not None:
+        return CalibrationLookup(exact)
+    folders = [(calibration_dir(directory), False), (SHIPPED_DIR, True)]
+    paths = [(path, shipped) for folder, shipped in folders for path in _listing(folder)]
+    settings = [(s, shipped) for path, shipped in paths if (s := _read_any(path, shipped=shipped)) is not None]
+    memo_key = (key.fingerprint, key.dtype, key.model, key.source, str(folders[0][0]))
+    stamps = tuple((path, _READ[path][0]) for path, _ in paths if path in _READ)
+    known = _FOUND.get(memo_key)
+    if known is not None and known[0] == stamps:
+        return known[1]
+    found = _match(key, [s for s, _ in settings])
+    _FOUND[memo_key] = (stamps, found)
+    return found
+
+
+def _match(key: WeightsKey, settings: list[CalibratedSetting]) -> CalibrationLookup:
+    for setting in settings:  # a file not named by the fingerprint it holds (the user's before the shipped)
+        if setting.fingerprint == key.fingerprint:
+            return CalibrationLookup(setting)
+    alike = [s for s in settings if s.identities and all(key.shape.get(k, v) == v for k, v in s.shape.items())]
+    mine = set(key.identities()) if alike else set()
+    same = [s for s in alike if mine & set(s.identities)]
+    if same:
+        best = sorted(same, key=lambda s: (s.shipped, -_created(s), str(s.path)))[0]
+        note = (f"measured in {best.dtype}" if best.dtype and best.dtype != key.dtype else
+                f"measured in {best.dtype or 'another dtype'} on another conversion of these weights")
+        chosen = replace(best, measured_note=note)
+        if _once("other dtype", str(best.path), key.dtype):
+            logger.warning("using the calibrated setting %s (%s) for %s in %s: it was %s, not in %s, where this setting "
+                           "has not been measured. Run `cacheblend-rag calibrate --dtype %s` to measure one here",
+                           best.path, best.name, key.model, key.dtype, note, key.dtype, key.dtype)
+        return CalibrationLookup(chosen)
+    legacy = [s for s in settings if not s.identities and s.model == key.model]
+    if legacy:
+        old = legacy[0]
+        why = (f"the calibration {old.path} names {key.model} but records no weights identity (it was saved before "
+               f"calibrations did), so it cannot be matched to this {key.dtype} load; calibrate again to replace it")
+        if _once("no fit", str(old.path), key.fingerprint):
+            logger.warning("no calibrated setting fits %s in %s, the built-in one is used: %s", key.model, key.dtype, why)
+        return CalibrationLookup(None, unusable=why)
+    return CalibrationLookup(None)
+
+
+def _created(setting: CalibratedSetting) -> float:
+    try:
+        return _dt.datetime.fromisoformat(str(setting.document.get("created_utc"))).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _listing(folder: Path) -> list[Path]:
+    """The calibration documents in ``folder`` (not a run's ``.state.json``), listed once per change of it."""
+    try:
+        mtime = folder.stat().st_mtime_ns
+    except OSError:
+        return []
+    known = _LISTED.get(folder)
+    if known is not None and known[0] == mtime:
+        return known[1]
+    paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".state.json"))
+    _LISTED[folder] = (mtime, paths)
+    return paths
 
 
 def write_json_atomically(path: Path, document: dict[str, Any]) -> Path:

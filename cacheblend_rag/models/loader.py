@@ -27,6 +27,7 @@ from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, parse_dtype
+from cacheblend_rag.models.fingerprint import record_weights_source
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def load_model(
     for taken in ("dtype", "torch_dtype", "device_map"):
         if taken in model_kwargs:
             raise ModelLoadError(f"model_kwargs[{taken!r}] is set by this package; pass dtype= or device= instead")
-    folder, name, source, _ = _locate(name_or_path)
+    folder, name, source, gguf_digest = _locate(name_or_path)
     target = str(folder) if folder is not None else str(name_or_path)
     hub_options = {} if folder is not None else _hub_options(str(name_or_path))
     choice = choose_dtype(dtype, dev, lambda: _hidden_width(target, hub_options, model_kwargs),
@@ -210,6 +211,10 @@ def load_model(
             ) from exc
         raise ModelLoadError(f"could not load model from {target}: {exc}") from exc
     model.to(dev).eval()
+    if gguf_digest is not None and tokenizer is None:
+        # The GGUF names these weights (and their tokenizer) in any dtype: calibrations measured in another
+        # dtype find them by it (engine.calibrated). Not with another tokenizer, which the GGUF does not hold.
+        record_weights_source(model, f"gguf-sha256:{gguf_digest}")
     try:
         adapter: DecoderAdapter | None = get_adapter(model)
     except UnsupportedArchitectureError:

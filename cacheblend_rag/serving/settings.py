@@ -26,8 +26,8 @@ from cacheblend_rag.engine.calibrated import (
     CALIBRATED_FIELDS,
     DEFAULT_CONDITION_CHUNKS,
     CalibratedSetting,
+    CalibrationLookup,
     describe_config,
-    load_calibration,
 )
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
@@ -247,6 +247,7 @@ class CacheBlendSettings(BaseModel):
 
     _service: BlendService = PrivateAttr()
     _calibration: Optional[CalibratedSetting] = PrivateAttr(default=None)
+    _calibration_lookup: CalibrationLookup = PrivateAttr(default=CalibrationLookup(None))
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="before")
@@ -339,7 +340,9 @@ class CacheBlendSettings(BaseModel):
             )
         # Read once: the chunk cache's prefix follows it, and a setting must not change under a live object.
         if engine.adapter is not None and not self.model_fields_set & _CALIBRATED_CHOICES:
-            self._calibration = load_calibration(engine.fingerprint, self.calibration_dir or engine.calibration_dir)
+            # The engine's lookup: its fingerprint's setting, else its weights' measured in another dtype.
+            self._calibration_lookup = engine.calibration_lookup(self.calibration_dir or engine.calibration_dir)
+            self._calibration = self._calibration_lookup.setting
         if self.chunk_cache is None:
             prefix = default_conditioning_prefix(engine.tokenizer) if self.conditions_chunks else ()
             key = self.store_key.get_secret_value() if self.store_key is not None else None
@@ -362,10 +365,11 @@ class CacheBlendSettings(BaseModel):
     @property
     def config_source(self) -> str:
         """Where the blend setting comes from: ``"user"``, ``"calibrated: <file>"``, ``"calibrated (shipped):
-        <file>"`` (the package's own for this model) or ``"built-in"``."""
+        <file>"`` (the package's own for this model), either noting ``measured in <dtype>`` when the engine
+        computes in another, or ``"built-in"`` (``"built-in (<why>)"`` when a calibration cannot be used)."""
         if self.model_fields_set & _CALIBRATED_CHOICES:
             return "user"
-        return self._calibration.source if self._calibration is not None else "built-in"
+        return self._calibration_lookup.source
 
     @property
     def conditions_chunks(self) -> bool:
