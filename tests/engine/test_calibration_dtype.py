@@ -136,3 +136,23 @@ def test_every_shipped_setting_names_its_dtype_and_its_models_gguf():
         assert setting.dtype in ("float32", "bfloat16", "float16"), f"{path}: no dtype recorded"
         assert f"gguf-sha256:{model.sha256}" in setting.identities, f"{path}: not keyed to {model.filename}"
         assert setting.shape["architecture"] and setting.shape["hidden_size"] and setting.shape["num_hidden_layers"]
+
+
+@pytest.mark.slow
+def test_smollm2_in_bfloat16_finds_a_float32_setting_of_its_gguf(tmp_path):
+    """The quality model's case, on the embedded model: a setting measured in float32 and named by the GGUF's
+    digest (as the shipped one is) reaches the model loaded from that GGUF in bfloat16."""
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.models import loader
+
+    digest = loader.converted_gguf_folder(loader.default_gguf_path())[1]
+    document = {"format": calibrated.FORMAT, "version": calibrated.VERSION, "fingerprint": "0" * 64,
+                "model": loader.DEFAULT_MODEL_NAME, "dtype": "float32",
+                "weights": {"architecture": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+                            "identities": [f"gguf-sha256:{digest}"]},
+                "chosen": {"config": {"recompute_ratio": 0.3, "selection": "kv_deviation"}, "condition_chunks": False}}
+    path = calibrated.write_json_atomically(tmp_path / "calibration" / "smollm2-float32.json", document)
+    engine = CacheBlendEngine.from_pretrained(dtype="bfloat16")
+    assert engine.dtype == torch.bfloat16 and engine.dtype_reason == "explicit: bfloat16"
+    assert engine.config_source == f"calibrated (measured in float32): {path}"
+    assert engine.default_config().recompute_ratio == 0.3
