@@ -66,7 +66,7 @@ def ape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_posit
     return (mix[..., :1] * out_c + mix[..., 1:] * out_o).to(q.dtype)
 
 
-def _partial(self, a, layer, q_rot, key_layer, value_layer, positions):  # PartialAttention.__call__
+def _partial(self, a, layer, q_rot, key_layer, value_layer, positions, host_positions):  # PartialAttention.__call__
     assert self.mask == "exact" and a.sliding_window(layer) is None, "APE research: exact mask, no window"
     stale = _STATE["context"].clone()
     stale[positions] = False  # the rows computed now (the question, the recomputed tokens) are not stale

@@ -77,7 +77,7 @@ def widen(run: BlendRun, stored: torch.Tensor, drift: str) -> None:
         counts = torch.bincount(chunk_of[estimators], minlength=n_chunks).clamp(min=1).unsqueeze(-1)
         fill = fill + (totals / counts)[chunk_of[stale]].to(fill.dtype)
     hidden[:, torch.searchsorted(active, cached_pos[stale])] = fill
-    run.hidden, run.active = hidden, active
+    run.hidden, run.active, run.active_host = hidden, active, active.tolist()
     run.attention.reset()
 
 

@@ -32,7 +32,7 @@ import torch
 from cacheblend_rag.bench.metrics import token_kl
 from cacheblend_rag.bench.prompt import BenchPrompt
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.attention import attention_with_weights
+from cacheblend_rag.engine.attention import attention_with_weights, weights_mask
 
 KV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer, [kv_heads, tokens, head_dim]
 
@@ -125,8 +125,9 @@ def blend_diagnostics(
         q, _, _ = a.qkv(layer, a.input_norm(layer, hidden))
         q_rot = a.apply_rope(q, cos, sin)
         keys, values = blend_kv[layer]
-        out, probs = attention_with_weights(a, layer, q_rot, q_pos, keys.unsqueeze(0).to(device),
-                                            values.unsqueeze(0).to(device))
+        keys = keys.unsqueeze(0).to(device)
+        out, probs = attention_with_weights(a, layer, q_rot, keys, values.unsqueeze(0).to(device),
+                                            weights_mask(a, layer, q_pos, keys.shape[2], q_rot.dtype))
         weight = probs[0].float().mean(dim=(0, 1))  # [n]: averaged over heads and question tokens
         for name, mask in classes(layer).items():
             shares[name].append(float(weight[mask].sum()))

@@ -20,6 +20,7 @@ recomputes everything and reproduces full prefill.
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -81,14 +82,14 @@ class BlendRun:
                                                      cfg.approximate_prefix_recompute_ratio))
                if ratio is not None and spans]
         if own and 0.0 < cfg.recompute_ratio < 1.0:
-            pool = torch.zeros(layout.n_cached, dtype=torch.long, device=layout.cached_pos.device)
+            pool = [0] * layout.n_cached  # each cached token's pool label, worked out on the host
             for label, (spans, _) in enumerate(own, 1):
                 for start, end in spans:
-                    pool[start:end] = label
-            index = torch.arange(layout.n_cached, device=pool.device)
+                    pool[start:end] = [label] * (end - start)
             ratios = [chunk_ratio, *(ratio for _, ratio in own)]
-            self.pools = [(index[pool == label], selection_budget(ratio, int((pool == label).sum())))
-                          for label, ratio in enumerate(ratios)]
+            members = [[i for i, p in enumerate(pool) if p == label] for label in range(len(ratios))]
+            self.pools = [(torch.tensor(index, dtype=torch.long, device=layout.cached_pos.device),
+                           selection_budget(ratio, len(index))) for index, ratio in zip(members, ratios)]
             self.budget = sum(budget for _, budget in self.pools)
         else:
             self.budget = selection_budget(chunk_ratio, layout.n_cached)
@@ -111,8 +112,10 @@ class BlendRun:
                 self.shift_groups += -(-(end - start) // width)
         self.probes = probe_indices(layout.chunk_spans, cfg.shift_probe_stride).to(layout.cached_pos.device)
         self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
+        self._estimated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _estimating_tokens
         self.probes_dropped = False  # a budget could not hold the probes: no probes, no corrections
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
+        self.selected_positions: list[int] | None = None  # the selection's positions, read back once
         self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype)
         self.attention = PartialAttention(cfg.mask)
         self.profile: Profile | None = None
@@ -125,8 +128,10 @@ class BlendRun:
         # one (a cached chat history) is never computed.
         skip = layout.exact_end if layout.exact_end >= SKIP_EXACT_PREFIX_SHARE * layout.n else 0
         self.active = layout.fresh_pos if self.full_reuse else layout.positions[skip:]
+        # The active positions on the host too: attention groups take their key ranges from there.
+        self.active_host: list[int] | range = layout.fresh_list if self.full_reuse else range(skip, layout.n)
         self.hidden = a.embed(layout.ids[self.active].unsqueeze(0))
-        self.q: torch.Tensor | None = None
+        self.q: torch.Tensor | None = None  # the active tokens' queries, rotated
         self._rope_active: torch.Tensor | None = None  # the active positions ``_rope`` holds cos/sin of
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.keys: list[torch.Tensor] = []
@@ -153,26 +158,30 @@ class BlendRun:
     def _layer(self, layer: int) -> str:
         """Run one layer for the active tokens; returns the phase it belongs to, for the timings."""
         a, n = self.a, self.layout.n
-        self.q, k, v = a.qkv(layer, a.input_norm(layer, self.hidden))
-        all_active = self.active.numel() == n
+        # Q, K and V in one projection, and Q and K rotated together: a layer's fixed cost is its count
+        # of operations, on a GPU (launches) as on a CPU (dispatches).
+        qkv = a.qkv_heads(layer, a.input_norm(layer, self.hidden))
+        rotated = a.apply_rope(qkv[:, : a.qk_heads], *self._active_rope())
+        self.q, k, v = rotated[:, : a.num_heads], rotated[:, a.num_heads :], qkv[:, a.qk_heads :]
+        all_active = len(self.active_host) == n
         if layer == self.check_layer and not self.full_reuse and not self.chosen_up_front:
             phase = "check_layer"
-            key_layer, value_layer = self._choose_at_check_layer(layer, k, v)
+            key_layer, value_layer = self._choose_at_check_layer(layer, qkv, k, v)
         else:
             phase = "early_layers" if all_active or self.full_reuse else "late_layers"
             if all_active and not self._narrowing():
-                key_layer, value_layer = a.apply_rope(k, *self._active_rope()), v
+                key_layer, value_layer = k, v
             else:
                 key_layer, value_layer = self._patched_layer(layer, k, v)
         self.keys.append(key_layer)
         self.values.append(value_layer)
         if layer == a.num_layers - 1:
-            self._restrict(self.active[-1:])  # only the last token's output is needed from the final layer
-        q_rot = a.apply_rope(self.q, *self._active_rope())
-        if self.active.numel() == n:
-            attn = causal_attention(a, layer, q_rot, key_layer, value_layer)
+            # Only the last token's output is needed from the final layer.
+            self._restrict(self.active[-1:], [self.active_host[-1]])
+        if len(self.active_host) == n:
+            attn = causal_attention(a, layer, self.q, key_layer, value_layer)
         else:
-            attn = self.attention(a, layer, q_rot, key_layer, value_layer, self.active)
+            attn = self.attention(a, layer, self.q, key_layer, value_layer, self.active, self.active_host)
         self.hidden = a.mlp_block(layer, self.hidden + a.attention_output(layer, attn))
         return phase
 
@@ -187,17 +196,18 @@ class BlendRun:
         if len(profile.keys) == self.a.num_layers:
             # Fresh tokens before the first cached one (the template's lead) see only each other,
             # so the profile computed their K/V exactly in every layer: skip them.
-            self.carried = layout.fresh_pos[layout.fresh_pos > layout.cached_pos[0]]
+            lead = sum(1 for p in layout.fresh_list if p < layout.cached_list[0])
+            self.carried = layout.fresh_pos[lead:]
         self.chosen_up_front = True
-        self.active = self._active_for(self.selected)
+        self.active, self.active_host = self._active_for(self.selected)
         self.hidden = self.a.embed(layout.ids[self.active].unsqueeze(0))
 
-    def _choose_at_check_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CachedKV:
+    def _choose_at_check_layer(self, layer: int, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CachedKV:
         """Every token but a long exact prefix computed this layer: choose, keep every computed token's
-        fresh K/V, then narrow to the choice."""
+        fresh K/V, then narrow to the choice. ``qkv`` holds K before RoPE, ``k`` rotated."""
         cached_pos = self.layout.cached_pos
-        if self.active.numel() == self.layout.n:
-            key_layer, value_layer = self.a.apply_rope(k, *self._active_rope()), v
+        if len(self.active_host) == self.layout.n:
+            key_layer, value_layer = k, v
         else:  # the exact prefix's K/V comes from the cache, the rest is this layer's
             key_layer, value_layer = self._patched_layer(layer, k, v)
         rows = torch.searchsorted(self.active, cached_pos)  # the cached tokens' rows of ``k``
@@ -205,12 +215,12 @@ class BlendRun:
             self.selected = torch.arange(self.layout.n_cached, device=cached_pos.device)
         else:
             profiled = self.profile is not None and self.profile.covers(layer)
-            fresh_k = key_layer[0, :, cached_pos] if profiled else k[0, :, rows]
+            fresh_k = key_layer[0, :, cached_pos] if profiled else qkv[0, self.a.num_heads : self.a.qk_heads, rows]
             ctx = self._context(layer, fresh_k, v[0, :, rows])
             if self.profile is None and self.strategy.needs.query_attention:
                 ctx.query_attention = lambda: self._question_attention(layer, key_layer)
             self.selected = self._select(ctx)
-        self._restrict(self._active_for(self.selected))
+        self._restrict(*self._active_for(self.selected))
         return key_layer, value_layer
 
     def _select(self, ctx: SelectionContext) -> torch.Tensor:
@@ -237,11 +247,12 @@ class BlendRun:
         10 tokens, the first probes that fit left the last chunks uncorrected (10 of 13 questions worse than
         full reuse) and an even subset of them still did worse than no correction (-25% against plain
         CacheBlend's 6%)."""
-        probes = self.probes[torch.isin(self.probes, index)]
+        # Every probe lies among the chunks' tokens: only a pool of cached segments needs them sifted.
+        probes = self.probes if self.pools is None else self.probes[torch.isin(self.probes, index)]
         if probes.numel() > budget:
             self.probes_dropped = True
             return index[self.strategy.select(_restricted(ctx, index, budget))]
-        others = index[~torch.isin(index, probes)]
+        others = _without(index, probes)
         if budget - probes.numel() <= 0 or not others.numel():
             return probes
         chosen = others[self.strategy.select(_restricted(ctx, others, budget - probes.numel()))]
@@ -267,7 +278,7 @@ class BlendRun:
 
     def _patched_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CachedKV:
         """The merged cache of ``layer`` (the profile's, or read from the source) with the active tokens'
-        fresh K (rotated) and V written into it; a gradual strategy narrows its choice on the way."""
+        fresh K (``k``, rotated) and V written into it; a gradual strategy narrows its choice on the way."""
         if self.profile is not None and self.profile.covers(layer):
             key_layer, value_layer = self.profile.keys[layer], self.profile.values[layer]
         else:
@@ -277,17 +288,16 @@ class BlendRun:
             # Compare the still-selected tokens' fresh K/V with their cached K/V, taken before the write.
             sel_pos = self.layout.cached_pos[self.selected]
             cached = (key_layer[0, :, sel_pos].clone(), value_layer[0, :, sel_pos].clone())
-        fresh_keys = self.a.apply_rope(k, *self._active_rope())
         if self.key_correction or self.value_correction:
-            self._correct_stale_entries(key_layer, value_layer, fresh_keys, v)
-        key_layer.index_copy_(2, self.active, fresh_keys)
+            self._correct_stale_entries(key_layer, value_layer, k, v)
+        key_layer.index_copy_(2, self.active, k)
         value_layer.index_copy_(2, self.active, v)
         if narrowing:
             ctx = self._context(layer, key_layer[0, :, sel_pos], value_layer[0, :, sel_pos], cached)
             narrowed = self._refine(ctx, self.selected)
             if narrowed is not None:
                 self.selected = narrowed
-                self._restrict(self._active_for(narrowed))
+                self._restrict(*self._active_for(narrowed))
         return key_layer, value_layer
 
     def _correct_stale_entries(self, key_layer: torch.Tensor, value_layer: torch.Tensor, fresh_keys: torch.Tensor,
@@ -300,11 +310,9 @@ class BlendRun:
         selected, layout = self.selected, self.layout
         if selected is None or not selected.numel() or not layout.chunk_spans or self.probes_dropped:
             return
-        self.estimators = self.probes[torch.isin(self.probes, selected)] if self.probes.numel() else selected
-        if not self.estimators.numel():
+        pos, rows = self._estimating_tokens()
+        if not pos.numel():
             return
-        pos = layout.cached_pos[self.estimators]
-        rows = torch.searchsorted(self.active, pos)
         if self.key_correction:
             change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
             change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
@@ -318,16 +326,35 @@ class BlendRun:
         """Each blendable cached token's estimated key change before RoPE: its chunk's mean ``change``."""
         return self._chunk_means(change)
 
+    def _estimating_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimators' positions and their rows among the active tokens, worked out once per selection
+        (with how many each shift group has): every corrected layer reuses them."""
+        if self._estimated is None or self._estimated[0] is not self.selected:
+            selected = self.selected
+            assert selected is not None
+            # Probes the budget kept are all selected (``_with_probes``); a pooled choice may leave some out.
+            if not self.probes.numel():
+                self.estimators = selected
+            elif self.pools is None:
+                self.estimators = self.probes
+            else:
+                self.estimators = self.probes[torch.isin(self.probes, selected)]
+            pos = self.layout.cached_pos[self.estimators]
+            counts = torch.zeros(self.shift_groups, dtype=torch.float32, device=pos.device)
+            counts.index_add_(0, self.chunk_of[self.estimators], torch.ones_like(pos, dtype=torch.float32))
+            self._estimated = (selected, pos, torch.searchsorted(self.active, pos), counts.clamp_(min=1))
+        return self._estimated[1], self._estimated[2]
+
     def _chunk_means(self, change: torch.Tensor) -> torch.Tensor:
         """``change`` (``[1, kv_heads, estimators, head_dim]``) averaged over each chunk's estimating tokens,
         one row per blendable cached token (a chunk with none: no change)."""
         assert self.estimators is not None
-        chunks = self.chunk_of[self.estimators]
-        n_chunks = self.shift_groups
-        totals = change.new_zeros(change.shape[0], change.shape[1], n_chunks, change.shape[3])
-        totals.index_add_(2, chunks, change)
-        counts = torch.bincount(chunks, minlength=n_chunks).clamp(min=1)
-        return (totals / counts.view(1, 1, -1, 1))[:, :, self.chunk_of]
+        if self._estimated is None or self._estimated[0] is not self.selected:
+            self._estimating_tokens()
+        assert self._estimated is not None
+        totals = change.new_zeros(change.shape[0], change.shape[1], self.shift_groups, change.shape[3])
+        totals.index_add_(2, self.chunk_of[self.estimators], change)
+        return (totals / self._estimated[3].view(1, 1, -1, 1))[:, :, self.chunk_of]
 
     def _shift_cached_keys(self, key_layer: torch.Tensor, shift: torch.Tensor) -> None:
         """Add ``stale_key_correction`` times ``shift`` (before RoPE, one row per blendable cached token),
@@ -364,8 +391,8 @@ class BlendRun:
         assert self.q is not None
         n, question_len = self.layout.n, self.layout.question_len
         q_pos = torch.arange(n - question_len, n, device=self.q.device)
-        # The question is the last fresh segment, so its rows are the last rows of ``q``.
-        q_rot = self.a.apply_rope(self.q[:, :, -question_len:], self.cos[:, q_pos], self.sin[:, q_pos])
+        # The question is the last fresh segment, so its rows are the last rows of ``q`` (rotated).
+        q_rot = self.q[:, :, -question_len:]
         return question_attention(self.a, layer, q_rot, q_pos, key_layer).sum(dim=0)[self.layout.cached_pos]
 
     # ------------------------------------------------------------------ bookkeeping
@@ -374,17 +401,24 @@ class BlendRun:
         own twice: four launches a layer on a GPU)."""
         if self._rope_active is not self.active:
             self._rope_active = self.active
-            self._rope = self.a.rope_halves(self.cos[:, self.active], self.sin[:, self.active])
+            self._rope = self.a.rope_tables(self.cos[:, self.active], self.sin[:, self.active])
+        assert self._rope is not None
         return self._rope
 
-    def _active_for(self, selected: torch.Tensor) -> torch.Tensor:
-        return torch.sort(torch.cat([self.layout.cached_pos[selected], self.carried])).values
+    def _active_for(self, selected: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The positions to carry for the choice ``selected``, on the device and on the host. The choice's
+        positions are read back here, once per choice: the blend's one wait on the device before its
+        logits (attention groups and the stats take them from the host)."""
+        chosen = self.layout.cached_pos[selected]
+        self.selected_positions = chosen.tolist()
+        carried = self.layout.fresh_list[len(self.layout.fresh_list) - self.carried.numel():]
+        return torch.sort(torch.cat([chosen, self.carried])).values, sorted(self.selected_positions + carried)
 
-    def _restrict(self, new_active: torch.Tensor) -> None:
-        """Carry only ``new_active`` (a subset of the active positions) from here on."""
+    def _restrict(self, new_active: torch.Tensor, host: list[int]) -> None:
+        """Carry only ``new_active`` (a subset of the active positions, ``host`` on the host) from here on."""
         rel = torch.searchsorted(self.active, new_active)
         assert self.q is not None
-        self.q, self.hidden, self.active = self.q[:, :, rel], self.hidden[:, rel], new_active
+        self.q, self.hidden, self.active, self.active_host = self.q[:, :, rel], self.hidden[:, rel], new_active, host
         self.attention.reset()
 
     def _result(self, started: float) -> BlendResult:
@@ -401,7 +435,7 @@ class BlendRun:
         n_cached_total = int(layout.all_cached_pos.numel())
         # What full prefill computes: everything when every cached token was recomputed or none needed
         # it, else the positions before the first blendable cached token.
-        exact_kv = layout.n if self.recompute_all or not layout.n_cached else int(layout.cached_pos[0])
+        exact_kv = layout.n if self.recompute_all or not layout.n_cached else layout.cached_list[0]
         if layout.reused_approximate_tokens:  # nothing after an approximate prefix's first approximate token is exact
             exact_kv = min(exact_kv, layout.prefix_len - layout.reused_approximate_tokens)
         stats = BlendStats(
@@ -415,7 +449,7 @@ class BlendRun:
             prefix_tokens=layout.prefix_tokens,
             approximate_prefix_tokens=layout.approximate_tokens,
             exact_kv_tokens=exact_kv,
-            selected_positions=[] if self.selected is None else layout.cached_pos[self.selected].tolist(),
+            selected_positions=sorted(self.selected_positions or []),
             timings=self.timings,
             probes_dropped=self.probes_dropped,
         )
@@ -424,10 +458,11 @@ class BlendRun:
 
 def _restricted(ctx: SelectionContext, index: torch.Tensor, budget: int) -> SelectionContext:
     """``ctx`` for the cached tokens ``index`` only (sorted), with ``budget``: a pool's own context."""
+    # The spans are counted on the host (one read of ``index``), not with a device search per chunk.
+    host = index.tolist()
     spans = []
     for start, end in ctx.chunk_spans:
-        lo = int(torch.searchsorted(index, torch.tensor(start, device=index.device)))
-        hi = int(torch.searchsorted(index, torch.tensor(end, device=index.device)))
+        lo, hi = bisect.bisect_left(host, start), bisect.bisect_left(host, end)
         if hi > lo:
             spans.append((lo, hi))
     attention = ctx.query_attention
@@ -436,3 +471,13 @@ def _restricted(ctx: SelectionContext, index: torch.Tensor, budget: int) -> Sele
         cached_k=ctx.cached_k[:, index], cached_v=ctx.cached_v[:, index], chunk_spans=spans,
         layers_left=ctx.layers_left, query_attention=None if attention is None else (lambda: attention()[index]),
     )
+
+
+def _without(index: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
+    """``index`` (sorted) without the entries of ``removed`` (a sorted subset of it), with no read back of a
+    boolean mask's count: the kept entries' order is that of a stable sort by "removed"."""
+    if not removed.numel():
+        return index
+    gone = torch.isin(index, removed)
+    order = torch.sort(gone.to(torch.uint8), stable=True).indices
+    return index[order[: index.numel() - removed.numel()]]

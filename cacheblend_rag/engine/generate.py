@@ -38,10 +38,10 @@ def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[tor
         slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
         if type(slot) is DynamicLayer and not slot.is_initialized:
             # A plain layer's first update concatenates onto an empty tensor, which copies the
-            # whole merged layer (docs/design.md, "Blend", step 5, has its cost). An empty update
-            # sets the layer up through its public method; the merged tensors are ours to hand over.
-            cache.update(k[:, :, :0], v[:, :, :0], layer)
-            slot.keys, slot.values = k, v
+            # whole merged layer (docs/design.md, "Blend", step 5, has its cost), and even an empty
+            # update makes two tensors and two copies a layer. The merged tensors are ours to hand
+            # over: the layer is left as its first update would leave it (a test holds the two equal).
+            slot.device, slot.keys, slot.values, slot.is_initialized = k.device, k, v, True
         else:  # sliding-window and other layer kinds keep their own bookkeeping
             cache.update(k, v, layer)
     return cache

@@ -95,6 +95,8 @@ class PromptLayout:
     # Those of ``chunk_spans`` that are a prefix segment's approximate part (``ChunkKV.from_prefix``), which
     # ``BlendConfig.approximate_prefix_recompute_ratio`` budgets apart.
     approximate_prefix_spans: list[tuple[int, int]] = field(default_factory=list)
+    fresh_list: list[int] = field(default_factory=list)  # ``fresh_pos`` on the host
+    cached_list: list[int] = field(default_factory=list)  # ``cached_pos`` on the host
 
     @classmethod
     def of(cls, segs: Sequence[Segment], device: torch.device, lossless: Sequence[bool] | None = None
@@ -103,8 +105,9 @@ class PromptLayout:
         input_ids = [t for s in segs for t in s.token_ids]
         n = len(input_ids)
         exact_end = exact_prefix_length(segs, lossless)
-        positions = torch.arange(n, device=device)
-        cached_mask = torch.zeros(n, dtype=torch.bool, device=device)
+        # Positions are worked out here on the host and uploaded once: the blend then reads none back.
+        fresh: list[int] = []
+        cached: list[int] = []
         chunk_spans: list[tuple[int, int]] = []
         segment_spans: list[tuple[int, int]] = []
         approximate_prefix_spans: list[tuple[int, int]] = []
@@ -112,8 +115,10 @@ class PromptLayout:
         offset = cached_offset = 0
         for s in segs:
             length = len(s.token_ids)
-            if not isinstance(s, FreshSegment):
-                cached_mask[offset : offset + length] = True
+            if isinstance(s, FreshSegment):
+                fresh.extend(range(offset, offset + length))
+            else:
+                cached.extend(range(offset, offset + length))
                 if offset >= exact_end:
                     chunk_spans.append((cached_offset, cached_offset + length))
                     if isinstance(s, CachedSegment) and s.chunk.approximate:
@@ -123,14 +128,14 @@ class PromptLayout:
                 if not isinstance(s, PrefixSegment):
                     prompt_spans.append((offset, offset + length))
             offset += length
-        all_cached_pos = positions[cached_mask]
+        all_cached_pos = torch.tensor(cached, dtype=torch.long, device=device)
         return cls(
-            input_ids=input_ids, ids=torch.tensor(input_ids, dtype=torch.long, device=device), positions=positions,
-            fresh_pos=positions[~cached_mask], all_cached_pos=all_cached_pos, cached_pos=all_cached_pos[exact_end:],
-            exact_end=exact_end, prefix=segs[0] if isinstance(segs[0], PrefixSegment) else None,
-            prompt_spans=prompt_spans, chunk_spans=chunk_spans,
-            question_len=len(segs[-1].token_ids), segment_spans=segment_spans,
-            approximate_prefix_spans=approximate_prefix_spans,
+            input_ids=input_ids, ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.arange(n, device=device), fresh_pos=torch.tensor(fresh, dtype=torch.long, device=device),
+            all_cached_pos=all_cached_pos, cached_pos=all_cached_pos[exact_end:], exact_end=exact_end,
+            prefix=segs[0] if isinstance(segs[0], PrefixSegment) else None, prompt_spans=prompt_spans,
+            chunk_spans=chunk_spans, question_len=len(segs[-1].token_ids), segment_spans=segment_spans,
+            approximate_prefix_spans=approximate_prefix_spans, fresh_list=fresh, cached_list=cached[exact_end:],
         )
 
     @property
@@ -140,7 +145,7 @@ class PromptLayout:
     @property
     def n_cached(self) -> int:
         """Blendable cached tokens (the exact prefix is not counted)."""
-        return int(self.cached_pos.numel())
+        return len(self.cached_list)
 
     @property
     def n_segment(self) -> int:
@@ -211,12 +216,12 @@ class MergedLayers:
         m = layout.prefix_len
         self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
         self._runs = contiguous_runs(layout.prompt_spans)
-        self._rope = a.rope_halves(cos[:, m:], sin[:, m:])
+        self._rope = a.rope_tables(cos[:, m:], sin[:, m:])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout, m = self.layout, self.layout.prefix_len
         parts = self.source.layer_parts(layer, layout.chunk_lengths) if layout.prompt_spans else []
-        value_layer = torch.empty(self.shape, dtype=self.dtype, device=self.cos.device).index_fill_(2, layout.fresh_pos, 0)
+        value_layer = torch.zeros(self.shape, dtype=self.dtype, device=self.cos.device)
         # Chunks that sit side by side are written with one concatenation each for K and V, straight into
         # the layer: per-chunk copies made a GPU blend wait on thousands of small launches (performance.md, GPU).
         for start, end, first, last in self._runs:
@@ -229,7 +234,7 @@ class MergedLayers:
             value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])
         # One rotation of the rest of the layer: per-chunk rotations cost about twice as much on a CPU,
         # where each of their many small operations pays its own dispatch.
-        self.a.apply_rope(self._raw_keys, *self._rope, out=key_layer[:, :, m:])
+        self.a.apply_rope(self._raw_keys, *self._rope, out=key_layer[:, :, m:] if m else key_layer)
         return key_layer, value_layer
 
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cacheblend_rag.engine.attention import PartialAttention, attention_with_weights
+from cacheblend_rag.engine.attention import PartialAttention, attention_with_weights, weights_mask
 from cacheblend_rag.engine.layout import MergedLayers, PromptLayout
 from cacheblend_rag.models.adapters import DecoderAdapter
 
@@ -45,42 +45,52 @@ def profile_question(
     The rest of the question (on a RAG prompt, mostly the fixed instruction before it) and the
     fresh glue between cached tokens (separators; in a chat, each turn's template around its
     passages) are left out of the pass altogether, and the kept tokens do not see them."""
-    fresh_pos, cached_pos, question_len = layout.fresh_pos, layout.cached_pos, layout.question_len
-    n_fresh = fresh_pos.numel()
+    fresh, question_len = layout.fresh_list, layout.question_len
     if question_tokens is not None and question_tokens < question_len:
         question_len = question_tokens
-    lead = fresh_pos[: n_fresh - layout.question_len]
-    if cached_pos.numel():
-        lead = lead[lead < cached_pos[0]]
-    active = torch.cat([lead, fresh_pos[n_fresh - question_len:]])
-    hidden_fresh = fresh_pos[~torch.isin(fresh_pos, active)]  # fresh positions the pass leaves out
+    first_cached = layout.cached_list[0] if layout.cached_list else layout.n
+    # Both are runs of positions known on the host: the lead ends where the first cached token starts.
+    lead = [p for p in fresh[: len(fresh) - layout.question_len] if p < first_cached]
+    active_list = lead + fresh[len(fresh) - question_len:]
+    kept = set(active_list)
+    device = layout.positions.device
+    active = torch.tensor(active_list, dtype=torch.long, device=device)
+    hidden_fresh = torch.tensor([p for p in fresh if p not in kept], dtype=torch.long, device=device)
     hidden = a.embed(layout.ids[active].unsqueeze(0))
-    q_cos, q_sin = a.rope_halves(merged.cos[:, active], merged.sin[:, active])
-    question_rows = slice(active.numel() - question_len, None)
-    lead_rows = slice(0, active.numel() - question_len)
+    rope = a.rope_tables(merged.cos[:, active], merged.sin[:, active])
+    rows = len(active_list)
+    question_rows = slice(rows - question_len, None)
     lead_attention = PartialAttention("exact")
+    masks: dict[int | None, torch.Tensor] = {}  # per sliding window: the question rows' mask
+    mass = torch.zeros(layers, a.num_heads, layout.n, dtype=torch.float32, device=device)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    scores = torch.zeros(cached_pos.numel(), dtype=torch.float32, device=cached_pos.device)
     for layer in range(layers):
-        q, k, v = a.qkv(layer, a.input_norm(layer, hidden))
+        qkv = a.qkv_heads(layer, a.input_norm(layer, hidden))
+        rotated = a.apply_rope(qkv[:, : a.qk_heads], *rope)
+        q_rot, v = rotated[:, : a.num_heads], qkv[:, a.qk_heads :]
         key_layer, value_layer = merged.read(layer)
-        key_layer.index_copy_(2, active, a.apply_rope(k, q_cos, q_sin))
+        key_layer.index_copy_(2, active, rotated[:, a.num_heads :])
         value_layer.index_copy_(2, active, v)
         keys.append(key_layer)
         values.append(value_layer)
-        q_rot = a.apply_rope(q, q_cos, q_sin)
+        window = a.sliding_window(layer)
+        if window not in masks:
+            masks[window] = weights_mask(a, layer, active[question_rows], layout.n, q_rot.dtype, hidden_fresh)
         # The question's rows are computed by hand, so their attention weights serve both the
         # profile and the layer's output; the other fresh rows (the lead) go through SDPA.
-        q_out, probs = attention_with_weights(a, layer, q_rot[:, :, question_rows], active[question_rows],
-                                              key_layer, value_layer, hidden_keys=hidden_fresh)
+        q_out, probs = attention_with_weights(a, layer, q_rot[:, :, question_rows], key_layer, value_layer,
+                                              masks[window])
         assert q_out is not None
-        mass = probs.sum(dim=2)[0][:, cached_pos]  # [heads, n_cached]
-        scores += (mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-12)).sum(dim=0)
+        torch.sum(probs[0], dim=1, out=mass[layer])
         if layer == layers - 1:
             break  # the last profiled layer's output is not needed
-        if lead_rows.stop > 0:
-            lead_out = lead_attention(a, layer, q_rot[:, :, lead_rows], key_layer, value_layer, active[lead_rows])
+        if lead:
+            lead_out = lead_attention(a, layer, q_rot[:, :, : len(lead)], key_layer, value_layer,
+                                      active[: len(lead)], lead)
             q_out = torch.cat([lead_out, q_out], dim=2)
         hidden = a.mlp_block(layer, hidden + a.attention_output(layer, q_out))
+    # Per layer and head the mass is normalised over the cached tokens, then summed: one pass for all layers.
+    cached_mass = mass[:, :, layout.cached_pos]
+    scores = (cached_mass / cached_mass.sum(dim=2, keepdim=True).clamp(min=1e-12)).sum(dim=(0, 1))
     return Profile(keys=keys, values=values, question_attention=scores)

@@ -1,0 +1,102 @@
+"""A blend's fixed costs: host syncs that do not grow with the layers, fused projections and rotations
+that equal the model's own, and a decoding cache handed over without a copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
+from cacheblend_rag.bench.host_syncs import count_host_syncs
+from cacheblend_rag.engine.generate import decoding_cache
+from cacheblend_rag.testing import tiny_engine
+
+# The settings whose per-layer work differs: full reuse, CacheBlend as published, the built-in default (a
+# profile pass), a gradual strategy that narrows over layers, and the shipped 1.5B setting's probes.
+SETTINGS = {
+    "full reuse": BlendConfig(recompute_ratio=0.0, min_blend_tokens=0),
+    "CacheBlend": BlendConfig(recompute_ratio=0.15, selection="kv_deviation", min_blend_tokens=0),
+    "default": BlendConfig(recompute_ratio=0.15, min_blend_tokens=0),
+    "gradual": BlendConfig(recompute_ratio=0.15, selection="gradual", min_blend_tokens=0),
+    "probes": BlendConfig(recompute_ratio=0.2, stale_key_correction=1.0, stale_value_correction=1.0,
+                          shift_probe_stride=10, min_blend_tokens=0),
+}
+
+
+def _segments(engine):
+    torch.manual_seed(0)
+    chunks = [torch.randint(3, 250, (60,)).tolist() for _ in range(4)]
+    return [FreshSegment([1, 5, 7]), *map(CachedSegment, engine.prefill_chunks(chunks)), FreshSegment([9, 11, 13, 2])]
+
+
+def _syncs(layers: int, cfg: BlendConfig, arch: str = "llama"):
+    engine = tiny_engine(arch, num_hidden_layers=layers)
+    segments = _segments(engine)
+    engine.blend(segments, config=cfg)  # the one-time correctness gate runs here, not in the count
+    return count_host_syncs(lambda: engine.blend(segments, config=cfg))
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_host_syncs_do_not_grow_with_the_layers(setting):
+    cfg = SETTINGS[setting]
+    # Four layers leave a gradual strategy room to narrow to its budget (it reads each narrowing back,
+    # a fixed number of them: log2 of its expansion), so eight add nothing.
+    shallow, deep = _syncs(4, cfg), _syncs(8, cfg)
+    assert deep.count == shallow.count, (shallow.by_site(), deep.by_site())
+    assert deep.count <= 4, deep.by_site()  # issue 58's bound
+
+
+def test_the_counter_sees_what_syncs_and_nothing_else():
+    t = torch.arange(6)
+    syncs = count_host_syncs(lambda: (t.tolist(), int(t[1]), t[t > 2], torch.bincount(t), t + 1, t[1:3]))
+    assert [name for name, _ in syncs.sites] == ["tolist", "__int__", "__getitem__", "bincount"]
+    assert all("test_host_syncs.py" in where for _, where in syncs.sites)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_and_rotation_equal_the_models_own(arch, dtype):
+    engine = tiny_engine(arch, dtype=dtype)
+    a = engine.adapter
+    hidden = torch.randn(1, 7, engine.model.config.hidden_size).to(dtype)
+    q, k, v = a.qkv(1, hidden)
+    attn = engine.model.model.layers[1].self_attn
+    b = (1, 7, -1, a.head_dim)
+    want_q, want_k = attn.q_proj(hidden).view(b), attn.k_proj(hidden).view(b)
+    if arch == "qwen3":
+        want_q, want_k = attn.q_norm(want_q), attn.k_norm(want_k)
+    assert torch.equal(q, want_q.transpose(1, 2)) and torch.equal(k, want_k.transpose(1, 2))
+    assert torch.equal(v, attn.v_proj(hidden).view(b).transpose(1, 2))
+    cos, sin = a.rope_cos_sin(hidden, torch.arange(3, 10).unsqueeze(0))
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(a.apply_rope(q, cos, sin), want[0]) and torch.equal(a.apply_rope(k, cos, sin), want[1])
+    norm = engine.model.model.layers[1].input_layernorm
+    assert torch.equal(a.input_norm(1, hidden), norm(hidden))
+
+
+def test_fused_projections_follow_weights_changed_in_place():
+    engine = tiny_engine("llama")
+    a, hidden = engine.adapter, torch.randn(1, 3, engine.model.config.hidden_size)
+    before = a.qkv(0, hidden)[1].clone()
+    with torch.no_grad():
+        engine.model.model.layers[0].self_attn.k_proj.weight.mul_(2)
+    assert torch.allclose(a.qkv(0, hidden)[1], 2 * before, atol=1e-6)
+
+
+def test_the_decoding_cache_is_the_blends_tensors_as_a_first_update_leaves_them():
+    engine = tiny_engine("llama")
+    keys = [torch.randn(1, 2, 5, 16) for _ in range(engine.num_layers)]
+    values = [torch.randn(1, 2, 5, 16) for _ in range(engine.num_layers)]
+    cache = decoding_cache(engine.model.config, keys, values)
+    reference = DynamicCache(config=engine.model.config)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        reference.update(k, v, layer)
+    for layer in range(engine.num_layers):
+        got, want = cache.layers[layer], reference.layers[layer]
+        assert got.keys is keys[layer] and got.values is values[layer]  # handed over, not copied
+        assert sorted(vars(got)) == sorted(vars(want))
+        assert all(torch.equal(getattr(got, name), getattr(want, name)) if isinstance(getattr(got, name), torch.Tensor)
+                   else getattr(got, name) == getattr(want, name) for name in vars(want))
