@@ -141,7 +141,9 @@ def parse_document(document: Any, fingerprint: str | None, where: str, *, shippe
         raise CorruptCalibration(f"{where} is not a calibration result (no \"format\": {FORMAT!r})")
     if document.get("version") != VERSION:
         raise CorruptCalibration(f"{where} has version {document.get('version')!r}; this package reads {VERSION}")
-    if fingerprint is None and isinstance(document.get("fingerprint"), str):
+    if fingerprint is None:
+        if not isinstance(document.get("fingerprint"), str):
+            raise CorruptCalibration(f"{where} names no model (no \"fingerprint\")")
         fingerprint = document["fingerprint"]
     if document.get("fingerprint") != fingerprint:
         raise CorruptCalibration(f"{where} was measured on another model (fingerprint "

@@ -74,8 +74,8 @@ def parse_dtype(value: torch.dtype | str, what: str = "dtype") -> torch.dtype | 
 
 def choose_dtype(dtype: torch.dtype | str | None, device: torch.device,
                  width: int | Callable[[], int | None] | None = None, probe_file: Path | None = None) -> DtypeChoice:
-    """The dtype to load in: ``dtype`` if given (not ``"auto"``), else ``$CACHEBLEND_DTYPE`` if set, else
-    the device's default: bfloat16 on a GPU that has it (float16 on one that has not), on a CPU the
+    """The dtype to load in: ``dtype`` if given, else ``$CACHEBLEND_DTYPE`` if set, else the device's
+    default (``dtype="auto"`` asks for the device's default, whatever the variable says): bfloat16 on a GPU that has it (float16 on one that has not), on a CPU the
     auto choice over a matmul of ``width`` (a callable is asked only if the probe must run; the result
     is kept in ``probe_file``, the loader's ``<cache root>/dtype_probe.json``), and float32 elsewhere (MPS)."""
     if dtype is not None:

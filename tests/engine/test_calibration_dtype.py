@@ -129,6 +129,16 @@ def test_an_old_calibration_without_weights_is_exact_only_and_another_dtype_is_w
     assert engine.blend([CachedSegment(engine.prefill_chunk(ids)), FreshSegment(ids[:4])]).stats.config_source == source
 
 
+def test_a_document_naming_no_model_is_reported_not_matched(measured, tmp_path, caplog):
+    document = copy.deepcopy(measured.to_document())
+    document.pop("fingerprint")
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "nameless.json").write_text(json.dumps(document))
+    with caplog.at_level(logging.WARNING):
+        assert tiny_engine("llama", dtype=torch.bfloat16).config_source == "built-in"
+    assert "names no model" in caplog.text
+
+
 def test_every_shipped_setting_names_its_dtype_and_its_models_gguf():
     for path in sorted(calibrated.SHIPPED_DIR.glob("*.json")):
         setting = parse_document(json.loads(path.read_text()), path.stem, str(path), shipped=True)
