@@ -48,3 +48,6 @@ def test_the_benchmark_prints_counts_for_both_shapes(bench, monkeypatch, capsys)
     report = json.loads(capsys.readouterr().out)
     for row in report["rows"].values():
         assert row["full prefill"] > 0 and all(row[m] > 0 for m in bench.METHODS)
+        assert set(row["host syncs"]) == {"full prefill", *bench.METHODS}
+        assert all(count <= bench.MAX_SYNCS for count in row["host syncs"].values())
+        assert isinstance(row["targets met"], bool)
