@@ -43,11 +43,13 @@ def causal_attention(a: DecoderAdapter, layer: int, q: torch.Tensor, k: torch.Te
 def rows_per_group(device: torch.device) -> int:
     """The fewest query rows worth an attention call of their own. Each group is one call, and a group
     attends keys up to its last row only, so more groups skip more of the causal upper triangle. On a CPU
-    a call's fixed cost matched the triangle it saves at about 64 rows (SmolLM2's shape, 350 rows over
-    2,000 keys: 3-4 groups 2.7-2.9 ms a layer in bfloat16 against 4.0 ms for 8); on a GPU a call's launch
-    costs more than a small group's arithmetic (an H200 runs 460 rows over 3,000 keys of a 1.5B layer in
-    microseconds), so groups start at 1,024 rows there (an estimate from the operation counts)."""
-    return 64 if device.type == "cpu" else 1024
+    a call's fixed cost outweighs the triangle it saves below about 128 rows (SmolLM2, 10 x 200 tokens,
+    blends at 0.15 on a 2-core Xeon with AMX: 32 rows a group 276/352 ms for CacheBlend/the default in
+    bfloat16, 64 rows 250/316, 128 rows 245/300, one group 252/304; in float32 128 rows beat 64 by 2%);
+    on a GPU a call's launch costs more than a small group's arithmetic (an H200 runs 460 rows over 3,000
+    keys of a 1.5B layer in microseconds), so groups start at 1,024 rows there (an estimate from the
+    operation counts)."""
+    return 128 if device.type == "cpu" else 1024
 
 
 def attention_groups(

@@ -100,3 +100,28 @@ def test_the_decoding_cache_is_the_blends_tensors_as_a_first_update_leaves_them(
         assert sorted(vars(got)) == sorted(vars(want))
         assert all(torch.equal(getattr(got, name), getattr(want, name)) if isinstance(getattr(got, name), torch.Tensor)
                    else getattr(got, name) == getattr(want, name) for name in vars(want))
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("rows_per_group", [1, 4, 1024])
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 7, 19, 30, 31], [31], [3, 8, 20, 31]])
+def test_partial_attention_equals_masked_attention_over_every_key(monkeypatch, window, rows_per_group, positions):
+    """Groups without a mask (one row at the last key, or rows 0..k causally) and with one give what a dense
+    causal (and windowed) mask over all keys gives."""
+    from cacheblend_rag.engine import attention
+
+    engine = tiny_engine("mistral" if window else "llama", **({"sliding_window": window} if window else {}))
+    a, n = engine.adapter, 32
+    monkeypatch.setattr(attention, "rows_per_group", lambda device: rows_per_group)
+    torch.manual_seed(1)
+    q = torch.randn(1, a.num_heads, len(positions), a.head_dim)
+    k, v = torch.randn(1, a.num_kv_heads, n, a.head_dim), torch.randn(1, a.num_kv_heads, n, a.head_dim)
+    pos = torch.tensor(positions)
+    got = attention.PartialAttention("exact")(a, 0, q, k, v, pos, positions)
+    key_pos = torch.arange(n)
+    allowed = key_pos[None, :] <= pos[:, None]
+    if window:
+        allowed &= key_pos[None, :] > pos[:, None] - window
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=a.attention_scale(0),
+                                                            enable_gqa=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
