@@ -121,3 +121,17 @@ def test_without_cuda_it_says_what_it_would_do_with_the_quality_model(gpu_check,
     assert "CUDA is not available here" in out and asked == []
     expected = "There it also checks the quality model" if installed else "There it would skip the quality model"
     assert expected in out
+
+
+ROWS = [{"label": "qwen-1.5b", "shape": [10, 300], "full prefill": 0.030, "CacheBlend@0.15": 0.010,
+         "CacheBlend@0.15 (resident)": 0.020, "default@0.15": 0.014}]
+
+
+def test_issue_58_targets_are_read_from_the_rows_timed_in_the_same_call(research_module):
+    with research_module("gpu_check") as module:
+        found = {(t["model"], t["shape"], t["method"]): t for t in module.targets(ROWS)}
+    assert found[("qwen-1.5b", "10 x 300", "CacheBlend@0.15")]["speedup"] == 3.0
+    assert found[("qwen-1.5b", "10 x 300", "CacheBlend@0.15")]["met"] is True
+    assert found[("qwen-1.5b", "10 x 300", "CacheBlend@0.15 (resident)")]["met"] is False
+    assert found[("qwen-1.5b", "10 x 300", "default@0.15")]["met"] is True
+    assert found[("mistral-7b", "8 x 512", "CacheBlend@0.15")]["met"] is None  # not timed in this call
