@@ -46,6 +46,7 @@ import torch
 from bench_engine import DEFAULT_DATA, build_prompt, git_commit, machine, passages
 from bench_store import Mode, run_interleaved
 from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
+from cacheblend_rag.bench.bandwidth import loader_and_disk
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.methods import parse_methods
 from cacheblend_rag.engine.calibrated import describe_config
@@ -206,6 +207,17 @@ def open_chunks(engine: CacheBlendEngine, chunk_ids: list[list[int]], store: str
     return [StoredSegment(c) for c in chunk_ids], cache, (time.perf_counter() - start) / len(chunk_ids)
 
 
+def read_every_layer(engine: CacheBlendEngine, cache: ChunkCache, stored: list[StoredSegment]) -> None:
+    """Every layer of ``stored`` through the store's loader (as a blend of full reuse reads it), nothing computed."""
+    source, _, _ = cache.open_source(engine, stored, first_layer=0)
+    try:
+        lengths = [len(s.token_ids) for s in stored]
+        for layer in range(engine.num_layers):
+            source.layer_parts(layer, lengths)
+    finally:
+        source.close()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="catalog name (qwen2.5-coder-1.5b), model folder, .gguf or hub id "
@@ -248,6 +260,9 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
                  for name, cfg in configs.items()}
         try:
             run_interleaved(modes, args.repeats, show_progress=not args.no_progress)
+            # The loader's cold read of every stored layer, beside the disk's own sequential read.
+            bandwidth = None if cache is None else loader_and_disk(
+                Path(folder), lambda: read_every_layer(engine, cache, cached))
         finally:
             if cache is not None:
                 cache.close()
@@ -265,6 +280,7 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
         "prompt_tokens": n, "fresh_tokens": fresh, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
         "ratio": args.ratio, "repeats": args.repeats, "warm_up_runs_per_method": 1, "interleaved": True,
         "precompute_s_per_chunk": precompute_s,
+        "load_bandwidth": bandwidth,
         "work_bound": bound,
         # timings_s: total is the engine's own clock; load_wait is spent inside the layer phases
         # that read the store, not beside them

@@ -87,6 +87,13 @@ def test_bench_reports_every_method_with_phases_and_the_bound(scale_bench, tmp_p
         assert row["cache_hits"] == 2 and row["cache_misses"] == 0  # every chunk read back, none recomputed
     assert results["default@0.15"]["timings_s"]["profile"] > 0  # the default's profile pass is timed apart
     assert results["cacheblend@0.15"]["own_bound"] == pytest.approx(bound)
+    bandwidth = report["load_bandwidth"]
+    if store == "memory":
+        assert bandwidth is None
+    else:  # the loader's cold read of every stored layer, beside the disk's own, from the same run
+        assert bandwidth["bytes"] > 0 and bandwidth["loader_MBps"] > 0 and bandwidth["disk_sequential_MBps"] > 0
+        assert bandwidth["loader_share_of_disk"] == pytest.approx(
+            bandwidth["loader_MBps"] / bandwidth["disk_sequential_MBps"], rel=0.02, abs=1e-3)
 
 
 def test_any_harness_blend_is_a_method_named_as_the_harness_names_it(scale_bench):
