@@ -159,8 +159,9 @@ class CacheBlendEngine:
 
     # ------------------------------------------------------ the default setting
     def calibration(self, directory: str | None = None) -> CalibratedSetting | None:
-        """The setting saved by ``cacheblend-rag calibrate`` (or shipped) for this model, if any: its fingerprint's,
-        else its weights' measured in another dtype (:func:`~cacheblend_rag.engine.calibrated.find_calibration`)."""
+        """The setting saved by ``cacheblend-rag calibrate`` (or shipped) for this model, if any: measured on this
+        engine's device type first (its fingerprint's, else its weights' in another dtype), else one measured on
+        another device type (:func:`~cacheblend_rag.engine.calibrated.find_calibration`)."""
         return self.calibration_lookup(directory).setting
 
     def calibration_lookup(self, directory: str | None = None) -> CalibrationLookup:
@@ -170,14 +171,14 @@ class CacheBlendEngine:
         fingerprint = self.fingerprint  # (checks the weights' stamp first, which source_identity then reuses)
         key = WeightsKey(fingerprint, dtype_name(self.dtype), self.model_name, weights_shape(self.model),
                          source_identity(self.model, self._stamp),
-                         lambda: weights_identities(self.model, self.tokenizer))
+                         lambda: weights_identities(self.model, self.tokenizer), device=self.device.type)
         return find_calibration(key, directory or self.calibration_dir)
 
     def default_and_source(self) -> tuple[BlendConfig, str]:
         """The blend setting of calls that pass none, and where it comes from: ``"user"`` (the
         engine's ``config``), ``"calibrated: <file>"`` (the user's calibration), ``"calibrated (shipped):
         <file>"`` (the one the package ships for this model; ``(shipped, measured in float32)`` when measured
-        in another dtype) or ``"built-in"`` (``"built-in (<why>)"`` when a calibration names this model but
+        in another dtype, ``(measured on cpu in float32)`` when on another device type) or ``"built-in"`` (``"built-in (<why>)"`` when a calibration names this model but
         cannot be used)."""
         if self.config_given:
             return self.config, "user"
@@ -266,6 +267,7 @@ class CacheBlendEngine:
         result = self._blend(segments, cfg, store, started)
         result.stats.blend_setting, result.stats.config_source = describe_config(cfg), source
         result.stats.dtype, result.stats.dtype_reason = dtype_name(self.dtype), self.dtype_reason
+        result.stats.device = self.device.type  # whose calibration applies: one setting per device type
         return result
 
     def _blend(self, segments: Iterable[SegmentLike], cfg: BlendConfig, store: KVSourceProvider | None,

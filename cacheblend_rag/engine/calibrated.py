@@ -16,6 +16,14 @@ another dtype, which it says (the source reads ``calibrated (measured in float32
 warning is logged once). Documents written before these fields existed still match their exact
 fingerprint; one that names the engine's model but cannot be matched to its weights leaves the
 built-in setting in force, with a warning and a source that says why.
+
+A document also records the device type it was measured on (``"device"``: ``cpu``, ``cuda``, ``mps``),
+because the best setting differs between them: on a GPU a blend's time goes to the host's fixed costs,
+not to the arithmetic, so a higher ratio costs little there and keeps more answers. One model has a
+file per device type (``<fingerprint>.json`` for a CPU, as always; ``<fingerprint>.cuda.json``), and
+:func:`find_calibration` prefers the engine's own device type: its exact fingerprint, then the same
+weights in another dtype, and only then a setting measured on another device type, which it says the
+same way (``calibrated (measured on cpu in float32): <file>``, a warning once).
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ CALIBRATION_DIR_ENV = "CACHEBLEND_CALIBRATION_DIR"
 # calibration says (measured better than alone, docs/quality.md); the bench's ``default`` method too.
 DEFAULT_CONDITION_CHUNKS = True
 FORMAT = "cacheblend-rag-calibration"
-VERSION = 1
+VERSION = 1  # "device" was added within version 1: a document without it reads as before (LEGACY_DEVICE)
+# The device type of a document that records none. Every calibration saved before devices were recorded, the
+# shipped ones included, was measured on a CPU, and a CPU's file keeps the name those always had.
+LEGACY_DEVICE = "cpu"
 # What a calibration chooses. The rest (gate, fallback, the short-prompt threshold, the cached segments'
 # and approximate prefixes' shares, which calibration prompts have none of) is the user's policy and
 # stays as the user's or the built-in config has it.
@@ -61,8 +72,22 @@ def calibration_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     return Path(explicit) if explicit else cache_root() / "calibration"
 
 
-def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> Path:
-    return calibration_dir(directory) / f"{fingerprint}.json"
+def calibration_path(fingerprint: str, directory: str | os.PathLike[str] | None = None,
+                     device: str = LEGACY_DEVICE) -> Path:
+    """Where the calibration of ``fingerprint`` measured on ``device`` (a device type: ``cpu``, ``cuda``) lives:
+    ``<fingerprint>.json`` for a CPU (the name every calibration had before devices were recorded), else
+    ``<fingerprint>.<device>.json``, so that a model keeps one setting per device type side by side."""
+    _check_device(device, "device")
+    name = fingerprint if device == LEGACY_DEVICE else f"{fingerprint}.{device}"
+    return calibration_dir(directory) / f"{name}.json"
+
+
+def _check_device(device: Any, where: str) -> None:
+    # A device type becomes part of a file name: letters, digits and underscores only (torch's are).
+    if not isinstance(device, str) or not device or not all(c.isalnum() or c == "_" for c in device) or \
+            device != device.lower():
+        raise ConfigError(f"{where}: {device!r} is not a device type; use torch's name for it, e.g. \"cpu\", "
+                          "\"cuda\" or \"mps\" (no index: \"cuda\", not \"cuda:0\")")
 
 
 # Settings the project measured for the model catalog's models (docs/quality.md), one calibration document per
@@ -117,7 +142,9 @@ class CalibratedSetting:
     dtype: str | None = None  # the compute dtype it was measured in (None: a document from before it was recorded)
     identities: tuple[str, ...] = ()  # the weights' identities across dtypes (document["weights"]["identities"])
     shape: dict[str, Any] = field(default_factory=dict)  # architecture, hidden_size, num_hidden_layers
-    # set when used for an engine it was not measured on: "measured in float32", and the source says so
+    device: str = LEGACY_DEVICE  # the device type it was measured on ("cpu" for a document that records none)
+    # set when used for an engine it was not measured for: "measured in float32", "measured on cpu in float32";
+    # the source says so
     measured_note: str | None = None
 
     def apply_to(self, base: BlendConfig) -> BlendConfig:
@@ -165,6 +192,11 @@ def parse_document(document: Any, fingerprint: str | None, where: str, *, shippe
     dtype = document.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise CorruptCalibration(f"{where}: \"dtype\" must be a dtype's name, e.g. \"float32\"")
+    device = document.get("device", LEGACY_DEVICE)
+    try:
+        _check_device(device, f"{where}: \"device\"")
+    except ConfigError as exc:
+        raise CorruptCalibration(str(exc)) from None
     weights = document.get("weights", {})
     identities = weights.get("identities", []) if isinstance(weights, dict) else None
     if not isinstance(identities, list) or not all(isinstance(i, str) for i in identities):
@@ -173,7 +205,7 @@ def parse_document(document: Any, fingerprint: str | None, where: str, *, shippe
         path=Path(where), fingerprint=fingerprint, model=str(document.get("model")), config=dict(config),
         condition_chunks=conditioned, name=describe_config(resolved, conditioned),
         target_met=bool(document.get("target_met")), document=document, shipped=shipped, dtype=dtype,
-        identities=tuple(identities), shape={k: v for k, v in weights.items() if k != "identities"},
+        identities=tuple(identities), shape={k: v for k, v in weights.items() if k != "identities"}, device=device,
     )
 
 
@@ -183,17 +215,19 @@ _READ: dict[Path, tuple[tuple[int, int], CalibratedSetting | None]] = {}
 _LISTED: dict[Path, tuple[int, list[Path]]] = {}
 # what find_calibration found for a key and the files it looked at, each with its (mtime_ns, size)
 _FOUND: dict[tuple[Any, ...], tuple[tuple[Any, ...], "CalibrationLookup"]] = {}
-_WARNED: set[tuple[str, ...]] = set()  # the cross-dtype and no-fit warnings already given, once each
+_WARNED: set[tuple[str, ...]] = set()  # the cross-dtype, cross-device and no-fit warnings already given, once each
 
 
-def load_calibration(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> CalibratedSetting | None:
-    """The calibrated setting of the model ``fingerprint``: the user's (in ``directory``, see
-    :func:`calibration_dir`), else the one shipped for it (:data:`SHIPPED_DIR`), else ``None``. A file
-    that is corrupt or another model's is said once per version of the file, as a warning, and skipped.
-    Exact fingerprints only; :func:`find_calibration` also finds the same weights' in another dtype."""
-    mine = _read_calibration(calibration_path(fingerprint, directory), fingerprint)
-    return mine if mine is not None else _read_calibration(SHIPPED_DIR / f"{fingerprint}.json", fingerprint,
-                                                           shipped=True)
+def load_calibration(fingerprint: str, directory: str | os.PathLike[str] | None = None,
+                     device: str = LEGACY_DEVICE) -> CalibratedSetting | None:
+    """The calibrated setting of the model ``fingerprint`` in the file for ``device`` (a device type): the user's
+    (in ``directory``, see :func:`calibration_dir`), else the one shipped for it (:data:`SHIPPED_DIR`), else
+    ``None``. A file that is corrupt or another model's is said once per version of the file, as a warning, and
+    skipped. Exact fingerprints only; :func:`find_calibration` also finds the same weights' in another dtype or
+    measured on another device type."""
+    mine = _read_calibration(calibration_path(fingerprint, directory, device), fingerprint)
+    return mine if mine is not None else _read_calibration(calibration_path(fingerprint, SHIPPED_DIR, device),
+                                                           fingerprint, shipped=True)
 
 
 def _read_calibration(path: Path, fingerprint: str, *, shipped: bool = False) -> CalibratedSetting | None:
@@ -246,6 +280,7 @@ class WeightsKey:
     shape: dict[str, Any]  # :func:`~cacheblend_rag.models.fingerprint.weights_shape`
     source: str | None  # the identity the loader recorded (the GGUF's), which the fingerprint does not hold
     identities: Callable[[], Sequence[str]]  # all of them; asked only when a document of the same shape may match
+    device: str = LEGACY_DEVICE  # the engine's device type ("cuda"): its own device type's setting comes first
 
 
 @dataclass(frozen=True)
@@ -264,17 +299,21 @@ class CalibrationLookup:
 
 
 def find_calibration(key: WeightsKey, directory: str | os.PathLike[str] | None = None) -> CalibrationLookup:
-    """The calibration for ``key``'s model: its exact fingerprint's (the user's, else the shipped one);
-    else the same weights' measured in another dtype (the user's before the shipped, the newest first),
-    said by the setting's source and a warning once; else none, with a warning once and a note if a
-    calibration names this model but records no weights identity to match it by."""
-    exact = load_calibration(key.fingerprint, directory)
-    if exact is not None:
+    """The calibration for ``key``'s model, in this order (the user's before the shipped, then the newest):
+
+    1. measured on ``key.device``'s device type: its exact fingerprint's, else the same weights' in another dtype;
+    2. measured on another device type: the exact fingerprint's, else the same weights' in another dtype.
+
+    A setting not measured for exactly this engine is said by its source (``measured in float32``, ``measured on
+    cpu in float32``) and a warning once. Failing all, none, with a warning once and a note if a calibration
+    names this model but records no weights identity to match it by."""
+    exact = load_calibration(key.fingerprint, directory, key.device)
+    if exact is not None and exact.device == key.device:
         return CalibrationLookup(exact)
     folders = [(calibration_dir(directory), False), (SHIPPED_DIR, True)]
     paths = [(path, shipped) for folder, shipped in folders for path in _listing(folder)]
     settings = [(s, shipped) for path, shipped in paths if (s := _read_any(path, shipped=shipped)) is not None]
-    memo_key = (key.fingerprint, key.dtype, key.model, key.source, str(folders[0][0]))
+    memo_key = (key.fingerprint, key.dtype, key.device, key.model, key.source, str(folders[0][0]))
     stamps = tuple((path, _READ[path][0]) for path, _ in paths if path in _READ)
     known = _FOUND.get(memo_key)
     if known is not None and known[0] == stamps:
@@ -285,22 +324,22 @@ def find_calibration(key: WeightsKey, directory: str | os.PathLike[str] | None =
 
 
 def _match(key: WeightsKey, settings: list[CalibratedSetting]) -> CalibrationLookup:
-    for setting in settings:  # a file not named by the fingerprint it holds (the user's before the shipped)
+    here = [s for s in settings if s.device == key.device]
+    for setting in here:  # a file not named by the fingerprint it holds (the user's before the shipped)
         if setting.fingerprint == key.fingerprint:
             return CalibrationLookup(setting)
     alike = [s for s in settings if s.identities and all(key.shape.get(k, v) == v for k, v in s.shape.items())]
     mine = set(key.identities()) if alike else set()
     same = [s for s in alike if mine & set(s.identities)]
-    if same:
-        best = sorted(same, key=lambda s: (s.shipped, -_created(s), str(s.path)))[0]
-        note = (f"measured in {best.dtype}" if best.dtype and best.dtype != key.dtype else
-                f"measured in {best.dtype or 'another dtype'} on another conversion of these weights")
-        chosen = replace(best, measured_note=note)
-        if _once("other dtype", str(best.path), key.dtype):
-            logger.warning("using the calibrated setting %s (%s) for %s in %s: it was %s, not in %s, where this setting "
-                           "has not been measured. Run `cacheblend-rag calibrate --dtype %s` to measure one here",
-                           best.path, best.name, key.model, key.dtype, note, key.dtype, key.dtype)
-        return CalibrationLookup(chosen)
+    newest = sorted(same, key=lambda s: (s.shipped, -_created(s), str(s.path)))
+    for best in newest:  # the same weights in another dtype, on this device type
+        if best.device == key.device:
+            return CalibrationLookup(_used_elsewhere(key, best))
+    # Another device type's setting: the exact fingerprint's first, then the same weights' in another dtype.
+    elsewhere = sorted((s for s in settings if s.device != key.device and s.fingerprint == key.fingerprint),
+                       key=lambda s: (s.shipped, -_created(s), str(s.path))) + newest
+    if elsewhere:
+        return CalibrationLookup(_used_elsewhere(key, elsewhere[0]))
     legacy = [s for s in settings if not s.identities and s.model == key.model]
     if legacy:
         old = legacy[0]
@@ -310,6 +349,30 @@ def _match(key: WeightsKey, settings: list[CalibratedSetting]) -> CalibrationLoo
             logger.warning("no calibrated setting fits %s in %s, the built-in one is used: %s", key.model, key.dtype, why)
         return CalibrationLookup(None, unusable=why)
     return CalibrationLookup(None)
+
+
+def _used_elsewhere(key: WeightsKey, best: CalibratedSetting) -> CalibratedSetting:
+    """``best``, measured for the same weights but not for ``key``'s dtype or device type, with the note its source
+    carries; the warning that says so, once per file, dtype and device type."""
+    exact = best.fingerprint == key.fingerprint
+    dtype = "" if exact else (f"in {best.dtype}" if best.dtype and best.dtype != key.dtype else
+                              f"in {best.dtype or 'another dtype'} on another conversion of these weights")
+    if best.device == key.device:
+        note = f"measured {dtype}"
+        if _once("other dtype", str(best.path), key.dtype, key.device):
+            logger.warning("using the calibrated setting %s (%s) for %s in %s: it was %s, not in %s, where this setting "
+                           "has not been measured. Run `cacheblend-rag calibrate --dtype %s` to measure one here",
+                           best.path, best.name, key.model, key.dtype, note, key.dtype, key.dtype)
+        return replace(best, measured_note=note)
+    note = " ".join(("measured on", best.device, dtype or f"in {best.dtype or key.dtype}"))
+    if _once("other device", str(best.path), key.dtype, key.device):
+        # The best ratio moves with the device: a GPU spends a blend's time on the host's fixed costs, not on the
+        # arithmetic a higher ratio adds, so a CPU's setting is likely cheaper and less faithful than a GPU affords.
+        logger.warning("using the calibrated setting %s (%s) for %s on %s in %s: it was %s, not on %s, where the "
+                       "best setting differs (what a higher ratio costs depends on the device). Run `cacheblend-rag "
+                       "calibrate --device %s --dtype %s --cost ttft` on this machine to measure one for it",
+                       best.path, best.name, key.model, key.device, key.dtype, note, key.device, key.device, key.dtype)
+    return replace(best, measured_note=note)
 
 
 def _created(setting: CalibratedSetting) -> float:
@@ -349,9 +412,11 @@ def write_json_atomically(path: Path, document: dict[str, Any]) -> Path:
 
 
 def save_calibration(document: dict[str, Any], directory: str | os.PathLike[str] | None = None) -> Path:
-    """Write a calibration document, checked as :func:`load_calibration` will read it, to its model's
-    file in ``directory`` (:func:`calibration_dir`)."""
+    """Write a calibration document, checked as :func:`load_calibration` will read it, to its model's file for its
+    device type in ``directory`` (:func:`calibration_dir`, :func:`calibration_path`)."""
     fingerprint = str(document.get("fingerprint"))
-    target = calibration_path(fingerprint, directory)
+    device = document.get("device", LEGACY_DEVICE)
+    _check_device(device, "the calibration's \"device\"")
+    target = calibration_path(fingerprint, directory, device)
     parse_document(document, fingerprint, str(target))
     return write_json_atomically(target, document)

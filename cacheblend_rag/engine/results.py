@@ -36,8 +36,10 @@ class BlendStats:
     fallback_reason: str | None = None
     blend_setting: str | None = None  # the setting's short name, e.g. "query_profiled@0.15"
     # "built-in", "user", "calibrated: <file>", "calibrated (shipped): <file>"; "(... measured in float32)" when
-    # the calibration was measured in another dtype than the engine's; "built-in (<why>)" when one cannot be used
+    # the calibration was measured in another dtype than the engine's, "(measured on cpu in float32)" on another
+    # device type; "built-in (<why>)" when one cannot be used
     config_source: str | None = None
+    device: str | None = None  # the engine's device type, "cuda": calibrations measured on it come first
     dtype: str | None = None  # the engine's compute dtype, "bfloat16"
     dtype_reason: str | None = None  # why: "auto: bfloat16, 3.7x faster matmul than float32 on <cpu>", "explicit: ..."
     # the setting asked for probe tokens but the budget could not hold them: the blend ran without the
@@ -68,6 +70,7 @@ class BlendStats:
             "fallback_reason": self.fallback_reason,
             "blend_setting": self.blend_setting,
             "config_source": self.config_source,
+            "device": self.device,
             "dtype": self.dtype,
             "dtype_reason": self.dtype_reason,
             "probes_dropped": self.probes_dropped,
