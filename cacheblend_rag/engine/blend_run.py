@@ -33,7 +33,7 @@ from cacheblend_rag.engine.kv_source import CachedKVSource
 from cacheblend_rag.engine.layout import MergedLayers, PromptLayout
 from cacheblend_rag.engine.profile import Profile, profile_question
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.selection import SelectionContext, SelectionStrategy, probe_indices, selection_budget
+from cacheblend_rag.engine.selection import SelectionContext, SelectionStrategy, probe_list, selection_budget
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 CachedKV = tuple[torch.Tensor, torch.Tensor]
@@ -110,7 +110,8 @@ class BlendRun:
                 offsets = torch.arange(end - start, device=self.chunk_of.device)
                 self.chunk_of[start:end] = self.shift_groups + offsets // width
                 self.shift_groups += -(-(end - start) // width)
-        self.probes = probe_indices(layout.chunk_spans, cfg.shift_probe_stride).to(layout.cached_pos.device)
+        self.probes_host = probe_list(layout.chunk_spans, cfg.shift_probe_stride)
+        self.probes = torch.tensor(self.probes_host, dtype=torch.long, device=layout.cached_pos.device)
         self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
         self._estimated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _estimating_tokens
         self.probes_dropped = False  # a budget could not hold the probes: no probes, no corrections
@@ -332,13 +333,12 @@ class BlendRun:
         if self._estimated is None or self._estimated[0] is not self.selected:
             selected = self.selected
             assert selected is not None
-            # Probes the budget kept are all selected (``_with_probes``); a pooled choice may leave some out.
-            if not self.probes.numel():
+            if not self.probes_host:
                 self.estimators = selected
-            elif self.pools is None:
-                self.estimators = self.probes
-            else:
-                self.estimators = self.probes[torch.isin(self.probes, selected)]
+            else:  # the selected probes, sifted on the host from the choice's positions read back already
+                chosen, cached = set(self.selected_positions or ()), self.layout.cached_list
+                kept = [i for i in self.probes_host if cached[i] in chosen]
+                self.estimators = torch.tensor(kept, dtype=torch.long, device=selected.device)
             pos = self.layout.cached_pos[self.estimators]
             counts = torch.zeros(self.shift_groups, dtype=torch.float32, device=pos.device)
             counts.index_add_(0, self.chunk_of[self.estimators], torch.ones_like(pos, dtype=torch.float32))

@@ -85,15 +85,19 @@ class SelectionContext:
         return self.query_attention()
 
 
-def probe_indices(chunk_spans: Sequence[tuple[int, int]], stride: int) -> torch.Tensor:
+def probe_list(chunk_spans: Sequence[tuple[int, int]], stride: int) -> list[int]:
     """Every ``stride``-th token of each chunk, from the middle of the first stride on (never a chunk's first
     token, which a chunk computed alone makes a sink): the probes of ``BlendConfig.shift_probe_stride``, in
     cached-token index space. ``stride`` 0: none."""
     if not stride:
-        return torch.zeros(0, dtype=torch.long)
+        return []
     first = max(1, stride // 2)
-    return torch.tensor([i for start, end in chunk_spans for i in range(start + first, end, stride)],
-                        dtype=torch.long)
+    return [i for start, end in chunk_spans for i in range(start + first, end, stride)]
+
+
+def probe_indices(chunk_spans: Sequence[tuple[int, int]], stride: int) -> torch.Tensor:
+    """:func:`probe_list` as a tensor."""
+    return torch.tensor(probe_list(chunk_spans, stride), dtype=torch.long)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
