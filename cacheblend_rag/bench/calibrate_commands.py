@@ -1,5 +1,7 @@
 """``cacheblend-rag calibrate``: measure candidate blend settings on a few prompts and save the
-cheapest that meets the fidelity target, for this model (:mod:`cacheblend_rag.bench.calibration`)."""
+cheapest that meets the fidelity target (KL, and answers when asked), for this model on this device
+type (:mod:`cacheblend_rag.bench.calibration`). On a GPU, run it there with ``--cost ttft``: the
+engine prefers a setting measured on its own device type."""
 
 from __future__ import annotations
 
@@ -59,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--target-recovery", type=float, default=0.8,
                         help="least share of full reuse's KL to full prefill a setting must recover")
     target.add_argument("--allow-worse", type=int, default=0, help="prompts allowed to be worse than full reuse")
+    target.add_argument("--min-top1", type=float, default=None,
+                        help="a target on answers: the least mean top-1 agreement with full prefill along its answer, "
+                             "teacher-forced (0.9: nine answer tokens in ten ranked first as full prefill ranks them) "
+                             "(default: none)")
+    target.add_argument("--min-identical-answers", type=float, default=None,
+                        help="a target on answers: the least share of prompts whose greedy answer (its first "
+                             "--teacher-tokens tokens) is full prefill's, e.g. 0.6 (default: none)")
     target.add_argument("--max-cost", type=float, default=None,
                         help="the most a setting may cost, full prefill = 1 (with --cost ttft, 0.29 keeps a 3.5x "
                              "speedup; in work units the engine reaches ~0.7-0.9 of the bound on a CPU, so ~0.25); a "
@@ -66,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "candidate is (then the cheapest, said plainly) (default: no ceiling: quality first, "
                              "e.g. Qwen2.5-Coder-1.5B at 300-token passages gets query_profiled+prefix@0.5, ~1.9x)")
     target.add_argument("--cost", choices=("work", "ttft"), default="work",
-                        help="what 'cheapest' means: layer-units computed (deterministic) or measured TTFT")
+                        help="what 'cheapest' means: layer-units computed (deterministic) or measured TTFT (use it on "
+                             "a GPU, run on the GPU: there a higher ratio costs far less than the work it adds)")
     target.add_argument("--candidates", default=None,
                         help="comma-separated settings as bench --methods writes them "
                              "(NAME[+prefix][+keyshift|+probeshift]@RATIO), e.g. "
@@ -193,16 +203,18 @@ def run_calibration(args: argparse.Namespace, engine: CacheBlendEngine | None = 
     """The command's work; ``engine``: a ready one (tests), else ``--model`` is loaded."""
     for name in ("n", "passages", "max_passage_tokens", "teacher_tokens"):
         _positive(name, getattr(args, name))
-    target = CalibrationTarget(args.target_recovery, args.allow_worse, args.max_cost)
+    target = CalibrationTarget(args.target_recovery, args.allow_worse, args.max_cost, min_top1=args.min_top1,
+                               min_identical_answers=args.min_identical_answers)
     candidates = parse_candidates(args.candidates)
     examples = load_examples(args)
     if engine is None:
         engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     prompts = build_prompts(engine, examples, args)
-    state_path = default_state_path(engine.fingerprint, args.out)
+    device = engine.device.type
+    state_path = default_state_path(engine.fingerprint, args.out, device)
     data = {"data": args.data, "corpus": args.corpus, "questions": args.questions, "passages": args.passages,
             "max_passage_tokens": args.max_passage_tokens, "answerable": args.answerable}
-    print(f"calibrating {engine.model_name} ({engine.fingerprint[:12]}) on {len(prompts)} prompts, "
+    print(f"calibrating {engine.model_name} ({engine.fingerprint[:12]}) on {device} on {len(prompts)} prompts, "
           f"{len(candidates)} candidate settings; measurements go to {state_path}", file=sys.stderr)
     try:
         result = calibrate(engine, prompts, candidates, target, cost=args.cost, teacher_tokens=args.teacher_tokens,
@@ -212,11 +224,14 @@ def run_calibration(args: argparse.Namespace, engine: CacheBlendEngine | None = 
               "--resume to go on", file=sys.stderr)
         return 130
     path = result.save(args.out)
+    print(result.target_line())
+    print()
     print(result.table())
     print()
     print(result.message)
-    print(f"\nsaved to {path}: the engine, CacheBlendLLM and ChatCacheBlend on this model now use {result.chosen.name} "
-          "when given no blend setting (their stats say config_source: calibrated)")
+    print(f"\nsaved to {path}: the engine, CacheBlendLLM and ChatCacheBlend on this model on {device} now use "
+          f"{result.chosen.name} when given no blend setting (their stats say config_source: calibrated); on another "
+          "device type a setting measured there comes first")
     return 0
 
 

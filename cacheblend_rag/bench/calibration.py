@@ -8,22 +8,29 @@ harness does (:mod:`cacheblend_rag.bench.harness`: same prompts, same stores, sa
   ``teacher_tokens`` answer tokens, teacher-forced;
 * recovery: ``1 - mean KL(setting) / mean KL(full reuse)`` over the prompts (the harness's
   summary); a prompt is *worse than full reuse* when its KL exceeds full reuse's on it;
+* answers: top-1 agreement, the share of those answer tokens the setting ranks first as full
+  prefill does (teacher-forced, :func:`~cacheblend_rag.bench.metrics.top1_agreement`); and whether
+  its greedy answer is full prefill's, token for token over those tokens. Both are read off the same
+  teacher-forced pass: greedy decoding from the setting's cache takes full prefill's token at every
+  step exactly while the setting ranks that token first, so the answer is identical if and only if
+  every position agrees (one forward over the answer instead of one per token; no extra decoding);
 * cost: ``work`` (default, deterministic): the layer-units the setting computes, from the model's
   shapes (:func:`cacheblend_rag.bench.bound.work_bound` with the tokens the engine really
   recomputed, and the profile pass's tokens and layers), over full prefill's; or ``ttft``: the
-  measured TTFT over full prefill's.
+  measured TTFT over full prefill's. On a GPU, calibrate with ``ttft`` on the GPU itself: there a
+  blend's time is mostly the host's fixed costs, and a higher ratio costs far less than ``work`` says.
 
-The chosen setting is the cheapest that meets the target (recovery at least ``target.recovery``
-and at most ``target.allow_worse`` prompts worse than full reuse). When none does, that is said
-(``target_met`` false, ``message``) and the best measured one (lowest KL, first among those no more often worse
-than full reuse than the target allows) is chosen, or full reuse when it is
-closer to full prefill than every affordable candidate. The result is
-saved per model fingerprint (:mod:`cacheblend_rag.engine.calibrated`), where the engine and the
-integrations find it.
+The chosen setting is the cheapest that meets the target (:class:`CalibrationTarget`: recovery at
+least ``target.recovery``, at most ``target.allow_worse`` prompts worse than full reuse, and the answer
+targets given). When none does, that is said (``target_met`` false, ``message``, with the best each
+measure reached) and the best measured one is chosen, or full reuse when it is closer to full prefill
+than every affordable candidate (:func:`~cacheblend_rag.bench.calibration_choice.choose`). The result
+is saved per model fingerprint and device type (:mod:`cacheblend_rag.engine.calibrated`), where the
+engine and the integrations find it.
 
 Every measurement is written to a JSON state file as it is made (atomically: a stop leaves a
 valid file), keyed by the model's fingerprint, a hash of the prompt's token ids and the setting,
-so a rerun with ``resume=True`` skips what is there.
+so a rerun with ``resume=True`` skips what is there (:mod:`~cacheblend_rag.bench.calibration_state`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import datetime as _dt
 import hashlib
 import json
 import logging
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,22 +48,21 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.bench.calibration_choice import CalibrationTarget, CandidateOutcome, choose
+from cacheblend_rag.bench.calibration_state import (
+    STATE_FORMAT,
+    CalibrationState,
+    default_state_path,
+    prompt_key,
+)
 from cacheblend_rag.bench.methods import parse_methods
-from cacheblend_rag.bench.metrics import mean_or_none, recovery, token_kl
+from cacheblend_rag.bench.metrics import mean_or_none, recovery, token_kl, top1_agreement
 from cacheblend_rag.bench.prompt import BenchPrompt
 from cacheblend_rag.bench.requests import BlendRequest, FullPrefillRequest, RequestRun, run_request
 from cacheblend_rag.bench.stores import ChunkStoreFactory
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.calibrated import (
-    CALIBRATED_FIELDS,
-    FORMAT,
-    VERSION,
-    calibration_dir,
-    describe_config,
-    save_calibration,
-    write_json_atomically,
-)
+from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, FORMAT, VERSION, describe_config, save_calibration
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.dtype_choice import dtype_name
@@ -66,7 +71,10 @@ from cacheblend_rag.models.fingerprint import weights_identities, weights_shape
 logger = logging.getLogger(__name__)
 
 CostKind = Literal["work", "ttft"]
-STATE_FORMAT = "cacheblend-rag-calibration-state"
+# Defined in the modules they moved to; still importable from here.
+__all__ = ["CalibrationResult", "CalibrationState", "CalibrationTarget", "Calibrator", "Candidate", "CandidateOutcome",
+           "DEFAULT_CANDIDATES", "STATE_FORMAT", "calibrate", "default_state_path", "parse_candidates", "prompt_key",
+           "summarize", "work_share"]
 
 # The grid measured when the user names none; the lead edits it as research moves on. Each item is a
 # ``--methods`` item (NAME[+prefix][+keyshift|+probeshift]@RATIO). ``query_profiled+prefix`` is the integrations'
@@ -137,54 +145,6 @@ def parse_candidates(items: str | Sequence[str] | None = None, base: BlendConfig
     return candidates
 
 
-@dataclass(frozen=True)
-class CalibrationTarget:
-    """recovery: the least recovery of full reuse's KL a setting must reach (0.8: 80%);
-    allow_worse: how many prompts may be worse than full reuse; max_cost: the most a setting may cost
-    (full prefill = 1; with measured TTFT as the cost, 1 / 3.5 keeps a 3.5x floor), or None for no
-    ceiling. A setting above the ceiling is not chosen, not even as the best measured one when the
-    target is out of reach; only when every candidate is above it is the cheapest used, and said."""
-
-    recovery: float = 0.8
-    allow_worse: int = 0
-    max_cost: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.recovery, bool) or not isinstance(self.recovery, (int, float)) or \
-                not math.isfinite(self.recovery):
-            raise ConfigError(f"target recovery={self.recovery!r} must be a number such as 0.8 (80% of full reuse's "
-                              "KL recovered); 1.0 asks for full prefill's quality")
-        if isinstance(self.allow_worse, bool) or not isinstance(self.allow_worse, int) or self.allow_worse < 0:
-            raise ConfigError(f"allow_worse={self.allow_worse!r} must be an integer >= 0 (prompts allowed to be "
-                              "worse than full reuse)")
-        if self.max_cost is not None and (isinstance(self.max_cost, bool) or not isinstance(self.max_cost, (int, float))
-                                          or not math.isfinite(self.max_cost) or self.max_cost <= 0):
-            raise ConfigError(f"max_cost={self.max_cost!r} must be a number > 0, the most a setting may cost with full "
-                              "prefill = 1 (with --cost ttft, 0.29 keeps a 3.5x speedup), or None for no ceiling")
-
-
-# --------------------------------------------------------------------------- results
-@dataclass
-class CandidateOutcome:
-    """One candidate over every prompt."""
-
-    name: str
-    config: dict[str, Any]
-    condition_chunks: bool
-    kl: float  # mean over prompts
-    recovery: float | None
-    worse_than_full_reuse: int
-    cost: float  # mean over prompts, full prefill = 1
-    meets_target: bool
-    per_prompt_kl: list[float] = field(default_factory=list)
-    reference: bool = False  # full reuse, measured as the yardstick (not a candidate)
-
-    def table_row(self) -> str:
-        rec = "–" if self.recovery is None else f"{self.recovery:.3f}"
-        mark = "yes" if self.meets_target else ("(reference)" if self.reference else "no")
-        return f"| {self.name} | {self.kl:.4g} | {rec} | {self.worse_than_full_reuse} | {self.cost:.3f} | {mark} |"
-
-
 @dataclass
 class CalibrationResult:
     model: str
@@ -203,18 +163,22 @@ class CalibrationResult:
     # "identities"): an engine of the same weights in another dtype finds the result by them (engine.calibrated)
     dtype: str | None = None
     weights: dict[str, Any] = field(default_factory=dict)
+    # the device type measured on ("cpu", "cuda"): the engine prefers its own device type's setting
+    device: str | None = None
     created_utc: str = field(
         default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     def to_document(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "model": self.model,
-            **({"dtype": self.dtype} if self.dtype else {}), **({"weights": self.weights} if self.weights else {}),
+            **({"dtype": self.dtype} if self.dtype else {}), **({"device": self.device} if self.device else {}),
+            **({"weights": self.weights} if self.weights else {}),
             "created_utc": self.created_utc, "target": asdict(self.target), "cost": self.cost_kind,
             "target_met": self.target_met, "message": self.message,
             "chosen": {"name": self.chosen.name, "config": self.chosen.config,
                        "condition_chunks": self.chosen.condition_chunks, "kl": self.chosen.kl,
                        "recovery": self.chosen.recovery, "worse_than_full_reuse": self.chosen.worse_than_full_reuse,
+                       "top1": self.chosen.top1, "identical_answers": self.chosen.identical_answers,
                        "cost": self.chosen.cost},
             "prompts": self.prompts, "measurement": self.measurement, "data": self.data,
             "full_reuse": asdict(self.full_reuse),
@@ -226,97 +190,17 @@ class CalibrationResult:
         return save_calibration(self.to_document(), directory)
 
     def table(self) -> str:
-        lines = [f"| setting | KL | recovery | worse than full reuse (of {self.prompts}) | cost ({self.cost_kind}, "
-                 "full prefill = 1) | meets target |", "|---|---|---|---|---|---|", self.full_reuse.table_row()]
+        lines = [f"| setting | KL | recovery | worse than full reuse (of {self.prompts}) | top-1 | identical answers "
+                 f"| cost ({self.cost_kind}, full prefill = 1) | meets target |", "|---|---|---|---|---|---|---|---|",
+                 self.full_reuse.table_row()]
         return "\n".join(lines + [c.table_row() for c in self.candidates])
 
-
-# --------------------------------------------------------------------------- the state file
-def prompt_key(prompt: BenchPrompt, teacher_tokens: int) -> str:
-    blob = json.dumps([prompt.lead_ids, prompt.chunk_ids, prompt.tail_ids, prompt.stand_in_ids, teacher_tokens])
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-class CalibrationState:
-    """Measurements so far, per prompt key: full prefill's teacher tokens and TTFT, and per setting
-    (``Candidate.key``, or ``full_reuse``) its KL, cost and stats. ``path=None`` keeps it in memory."""
-
-    def __init__(self, path: str | os.PathLike[str] | None, fingerprint: str, *, resume: bool) -> None:
-        self.path = Path(path) if path is not None else None
-        self.fingerprint = fingerprint
-        self.prompts: dict[str, dict[str, Any]] = {}
-        if resume and self.path is not None and self.path.exists():
-            self.prompts = self._read(self.path)
-
-    def _read(self, path: Path) -> dict[str, dict[str, Any]]:
-        try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            logger.warning("calibration state %s cannot be read (%s): ignored, everything is measured again", path, exc)
-            return {}
-        if not isinstance(document, dict) or document.get("format") != STATE_FORMAT or \
-                not isinstance(document.get("prompts"), dict):
-            logger.warning("calibration state %s is not a calibration state file: ignored, everything is measured "
-                           "again", path)
-            return {}
-        if document.get("fingerprint") != self.fingerprint:
-            logger.warning("calibration state %s was measured on another model (fingerprint %s, this model is %s): "
-                           "ignored, everything is measured again", path, str(document.get("fingerprint"))[:12],
-                           self.fingerprint[:12])
-            return {}
-        kept: dict[str, dict[str, Any]] = {}
-        dropped = 0
-        for key, entry in document["prompts"].items():
-            reference = entry.get("reference") if isinstance(entry, dict) else None
-            if not _valid_reference(reference) or not isinstance(entry.get("methods"), dict):
-                dropped += 1
-                continue
-            methods = {k: m for k, m in entry["methods"].items() if _valid_measurement(m)}
-            dropped += len(entry["methods"]) - len(methods)
-            kept[key] = {"reference": reference, "methods": methods}
-        if dropped:
-            logger.warning("calibration state %s: %d malformed entries ignored (measured again)", path, dropped)
-        return kept
-
-    def reference(self, key: str) -> dict[str, Any] | None:
-        return self.prompts.get(key, {}).get("reference")
-
-    def measured(self, key: str, method: str) -> dict[str, Any] | None:
-        return self.prompts.get(key, {}).get("methods", {}).get(method)
-
-    def set_reference(self, key: str, reference: dict[str, Any]) -> None:
-        old = self.reference(key)
-        if old is not None and old["tokens"] != reference["tokens"]:
-            # Another answer is another teacher: the KLs measured along the old one no longer compare.
-            logger.warning("full prefill answers prompt %s differently than when its measurements were saved; they "
-                           "are measured again", key[:12])
-            self.prompts[key] = {"reference": reference, "methods": {}}
-        else:
-            self.prompts.setdefault(key, {"reference": reference, "methods": {}})["reference"] = reference
-        self.save()
-
-    def record(self, key: str, method: str, measurement: dict[str, Any]) -> None:
-        self.prompts[key]["methods"][method] = measurement
-        self.save()
-
-    def save(self) -> None:
-        if self.path is not None:
-            write_json_atomically(self.path, {"format": STATE_FORMAT, "version": VERSION,
-                                              "fingerprint": self.fingerprint, "prompts": self.prompts})
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _valid_reference(reference: Any) -> bool:
-    return isinstance(reference, dict) and isinstance(reference.get("tokens"), list) and \
-        all(isinstance(t, int) for t in reference["tokens"]) and _number(reference.get("ttft_s"))
-
-
-def _valid_measurement(measurement: Any) -> bool:
-    return isinstance(measurement, dict) and all(_number(measurement.get(k)) for k in ("kl", "work", "ttft_s")) \
-        and measurement["kl"] >= 0
+    def target_line(self) -> str:
+        """What was asked and where it was measured: ``target: recovery >= 0.8 with at most 0 of 8 prompts worse
+        than full reuse, top-1 agreement >= 0.9; cost ttft; measured on cuda in bfloat16``."""
+        ceiling = "" if self.target.max_cost is None else f" at a cost of at most {self.target.max_cost:g}"
+        return (f"target: {self.target.describe(self.prompts)}{ceiling}; cost {self.cost_kind}; measured on "
+                f"{self.device or 'an unrecorded device'} in {self.dtype or 'an unrecorded dtype'}")
 
 
 # --------------------------------------------------------------------------- cost
@@ -450,7 +334,12 @@ class Calibrator:
         assert run.teacher_logits is not None and reference.teacher_logits is not None
         stats = {k: run.stats.get(k) for k in ("mode", "total_tokens", "cached_tokens", "recomputed_tokens",
                                                "fresh_tokens", "exact_tokens", "fallback_reason")}
+        # The greedy answer is full prefill's exactly while the setting ranks full prefill's token first at each
+        # step (module docstring): identity read off the teacher-forced pass, without decoding.
+        picked = run.teacher_logits.argmax(dim=-1).tolist()
         return {"kl": float(token_kl(reference.teacher_logits, run.teacher_logits).mean()),
+                "top1": top1_agreement(reference.teacher_logits, run.teacher_logits),
+                "identical": picked == list(teacher),
                 "work": work_share(self.engine, method.config, run.stats), "ttft_s": run.ttft_s, "stats": stats}
 
 
@@ -499,61 +388,18 @@ def summarize(engine: CacheBlendEngine, keys: list[str], candidates: Sequence[Ca
         if reference_kls is not None:
             rec = recovery(mean_kl, mean_or_none(reference_kls))
             worse = int(sum(kl > ref for kl, ref in zip(kls, reference_kls)))
-        return CandidateOutcome(name, config, conditioned, mean_kl, rec, worse, float(np.mean(costs)), False, kls)
-
-    def affordable(row: CandidateOutcome) -> bool:
-        return target.max_cost is None or row.cost <= target.max_cost
+        top1 = float(np.mean([float(r["top1"]) for r in runs]))
+        identical = sum(bool(r["identical"]) for r in runs) / len(runs)  # a count over n: exact, not a float mean
+        return CandidateOutcome(name, config, conditioned, mean_kl, rec, worse, float(np.mean(costs)), False, kls,
+                                top1=top1, identical_answers=identical)
 
     full_reuse = outcome("full_reuse", "full_reuse", {"recompute_ratio": 0.0}, False, None)
     full_reuse.reference = True
-    exact_reuse = full_reuse.kl <= 0.0
-    rows = []
-    for c in candidates:
-        row = outcome(c.key, c.name, c.fields(), c.condition_chunks, full_reuse.per_prompt_kl)
-        # Where full reuse is already exact, recovery is undefined: only "never worse" (exact too) counts.
-        good = (row.recovery is not None and row.recovery >= target.recovery) or exact_reuse
-        row.meets_target = good and row.worse_than_full_reuse <= target.allow_worse and affordable(row)
-        rows.append(row)
-    rows.sort(key=lambda r: (r.cost, r.kl))
-    meeting = [r for r in rows if r.meets_target]
-    within = [r for r in rows if affordable(r)]
-    want = f"recovery >= {target.recovery:g} with at most {target.allow_worse} of {len(keys)} prompts worse than full reuse"
-    ceiling = "" if target.max_cost is None else f" at a cost of at most {target.max_cost:g}"
-    if meeting:
-        chosen, met = meeting[0], True
-        message = f"target met ({want}{ceiling}): {chosen.name} is the cheapest setting that meets it"
-    elif within and full_reuse.kl < min(r.kl for r in within):
-        # Blending that moves the answer further than reusing the chunks as they are is worse than no blend.
-        best = min(within, key=lambda r: r.kl)
-        chosen, met = full_reuse, False
-        message = (f"target NOT reached: no candidate setting gives {want}{ceiling}, and every one"
-                   f"{' within the cost ceiling' if ceiling else ''} is further from full prefill than full reuse "
-                   f"(KL {full_reuse.kl:.4g}; the best candidate, {best.name}, {best.kl:.4g}). Full reuse is used "
-                   "instead; widen the grid (higher ratios), lower the target" +
-                   (" or raise the ceiling" if ceiling else ""))
-    elif within:
-        # The target's "never worse than full reuse" is the user's floor on every prompt, so the settings that
-        # hold it come first; among them (or among all, if none does) the lowest KL. A lower mean KL bought by
-        # making a prompt worse is no better by the user's own measure, and on a handful of prompts the mean's
-        # differences are mostly noise (docs/quality.md, "The calibrated setting at 300-token passages").
-        safe = [r for r in within if r.worse_than_full_reuse <= target.allow_worse]
-        chosen, met = min(safe or within, key=lambda r: (r.kl, r.worse_than_full_reuse, r.cost)), False
-        how = (f"lowest KL of those with at most {target.allow_worse} prompts worse than full reuse" if safe
-               else "lowest KL; every one has more prompts worse than full reuse than the target allows")
-        message = (f"target NOT reached: no candidate setting gives {want}{ceiling}. The best measured setting"
-                   f"{' within the cost ceiling' if ceiling else ''}, {chosen.name} ({how}), is used instead; "
-                   "widen the grid (higher ratios), lower the target" + (" or raise the ceiling" if ceiling else ""))
-    else:
-        chosen, met = min(rows, key=lambda r: r.cost), False
-        message = (f"target NOT reached: every candidate costs more than the ceiling ({target.max_cost:g}; the "
-                   f"cheapest costs {chosen.cost:.3f}). {chosen.name}, the cheapest, is used; raise --max-cost or "
-                   "add cheaper candidates")
+    rows = [outcome(c.key, c.name, c.fields(), c.condition_chunks, full_reuse.per_prompt_kl) for c in candidates]
+    rows, chosen, met, message = choose(full_reuse, rows, target, len(keys))
     return CalibrationResult(model=engine.model_name, fingerprint=engine.fingerprint, target=target, cost_kind=cost,
                              prompts=len(keys), candidates=rows, full_reuse=full_reuse, chosen=chosen, target_met=met,
                              message=message, measurement=measurement, data=data, dtype=dtype_name(engine.dtype),
-                             weights={**weights_shape(engine.model),
+                             device=engine.device.type, weights={**weights_shape(engine.model),
                                       "identities": weights_identities(engine.model, engine.tokenizer)})
 
-
-def default_state_path(fingerprint: str, directory: str | os.PathLike[str] | None = None) -> Path:
-    return calibration_dir(directory) / f"{fingerprint}.state.json"

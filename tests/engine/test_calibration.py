@@ -331,7 +331,8 @@ def test_the_command_calibrates_a_corpus_and_saves_where_the_engine_looks(engine
     assert saved is not None and saved.document["prompts"] == 2
     assert (out / f"{engine.fingerprint}.state.json").exists()
     assert Path(saved.document["data"]["corpus"]) == demo_corpus_dir()
-    assert saved.document["target"] == {"recovery": 0.9, "allow_worse": 0, "max_cost": None}
+    assert saved.document["target"] == {"recovery": 0.9, "allow_worse": 0, "max_cost": None, "min_top1": None,
+                                        "min_identical_answers": None}
     capped = build_parser().parse_args(["calibrate", "--corpus", "c", "--questions", "q", "--max-cost", "0.29"])
     assert capped.max_cost == 0.29
 
