@@ -71,7 +71,8 @@ from cacheblend_rag.models.fingerprint import weights_identities, weights_shape
 logger = logging.getLogger(__name__)
 
 CostKind = Literal["work", "ttft"]
-# Defined in the modules they moved to; still importable from here.
+# The target, outcome and state classes live in calibration_choice and calibration_state; importable from here as
+# before they moved.
 __all__ = ["CalibrationResult", "CalibrationState", "CalibrationTarget", "Calibrator", "Candidate", "CandidateOutcome",
            "DEFAULT_CANDIDATES", "STATE_FORMAT", "calibrate", "default_state_path", "parse_candidates", "prompt_key",
            "summarize", "work_share"]
@@ -145,6 +146,7 @@ def parse_candidates(items: str | Sequence[str] | None = None, base: BlendConfig
     return candidates
 
 
+# --------------------------------------------------------------------------- results
 @dataclass
 class CalibrationResult:
     model: str
