@@ -28,28 +28,14 @@ from cacheblend_rag.engine.calibrated import (CalibratedSetting, CalibrationLook
                                               find_calibration)
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
-from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length, split_approximate_prefix
+from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length, fresh_after_exact, split_approximate_prefix
 from cacheblend_rag.engine.precompute import precompute_chunks
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.segments import (
-    CachedSegment,
-    ChunkKV,
-    FreshSegment,
-    PrefixSegment,
-    Segment,
-    SegmentLike,
-    StoredSegment,
-    as_segment,
-    as_token_ids,
-)
+from cacheblend_rag.engine.segments import ChunkKV, FreshSegment, PrefixSegment, Segment, SegmentLike, as_token_ids
 from cacheblend_rag.engine.selection import SelectionStrategy, build_strategy
 from cacheblend_rag.engine.text import checked_text
-from cacheblend_rag.errors import (
-    BlendInputError,
-    ChunkMismatchError,
-    ConfigError,
-    UnsupportedArchitectureError,
-)
+from cacheblend_rag.engine.validation import validate_segments
+from cacheblend_rag.errors import BlendInputError, ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import dtype_name
 from cacheblend_rag.models.fingerprint import (WeightsStamp, model_fingerprint, source_identity, weights_identities,
@@ -272,7 +258,7 @@ class CacheBlendEngine:
 
     def _blend(self, segments: Iterable[SegmentLike], cfg: BlendConfig, store: KVSourceProvider | None,
                started: float) -> BlendResult:
-        segs = self._validate_segments(segments, store)
+        segs = validate_segments(self, segments, store)
         if all(isinstance(s, FreshSegment) for s in segs):
             return self._prefill([t for s in segs for t in s.token_ids], started)
         if self.adapter is None:
@@ -289,7 +275,7 @@ class CacheBlendEngine:
             if not exact:
                 return self._fall_back(segs, started, reason)
             # An exact prefix costs nothing to reuse: only what follows it is computed, as full prefill would.
-            segs = self._fresh_after_exact(segs, exact)
+            segs = fresh_after_exact(segs, exact)
         if cfg.gate and not gate.passed(self, cfg):
             return self._fall_back(segs, started, "correctness gate failed for this model")
         strategy, check_layer = self.plan(cfg)
@@ -328,87 +314,10 @@ class CacheBlendEngine:
             return segs
         return [*split_approximate_prefix(self.adapter, first), *segs[1:]]
 
-    @staticmethod
-    def _fresh_after_exact(segs: list[Segment], exact: int) -> list[Segment]:
-        """``segs`` with every cached segment after the first ``exact`` tokens made fresh."""
-        out: list[Segment] = []
-        offset = 0
-        for s in segs:
-            out.append(s if offset < exact or isinstance(s, FreshSegment) else FreshSegment(s.token_ids))
-            offset += len(s.token_ids)
-        return out
-
     def _fall_back(self, segs: list[Segment], started: float, reason: str | None) -> BlendResult:
         result = self._prefill([t for s in segs for t in s.token_ids], started)
         result.stats.fallback_reason = reason
         return result
-
-    def _validate_segments(self, segments: Iterable[SegmentLike], store: Any) -> list[Segment]:
-        try:
-            segs = [as_segment(s) for s in segments]
-        except TypeError as exc:
-            raise BlendInputError(str(exc)) from None
-        if not segs:
-            raise BlendInputError("segments is empty; pass at least one segment ending with fresh tokens")
-        segs = [s for s in segs if len(s.token_ids) > 0]
-        if not segs:
-            raise BlendInputError("every segment is empty; pass at least one token")
-        if not isinstance(segs[-1], FreshSegment):
-            raise BlendInputError(
-                "the last segment must be fresh tokens (the question or the assistant opener); "
-                "append FreshSegment(token_ids) after the last cached chunk"
-            )
-        total = sum(len(s.token_ids) for s in segs)
-        for i, s in enumerate(segs):
-            self.check_vocabulary(s.token_ids, f"segment {i}")
-        if total > self.context_window:
-            raise BlendInputError(
-                f"the prompt has {total} tokens, more than the model's context window of "
-                f"{self.context_window}; pass fewer or shorter chunks"
-            )
-        adapter = self.adapter
-        fingerprint = self.fingerprint if any(isinstance(s, (CachedSegment, PrefixSegment)) for s in segs) else ""
-        for i, s in enumerate(segs):
-            if isinstance(s, StoredSegment) and store is None:
-                raise BlendInputError(f"segment {i} is a StoredSegment but no store was given; pass store=...")
-            if isinstance(s, CachedSegment) and adapter is not None:
-                self._check_chunk(i, s.chunk, adapter, fingerprint)
-            if isinstance(s, PrefixSegment):
-                if i:
-                    raise BlendInputError(f"segment {i} is a PrefixSegment; a prefix can only open the prompt "
-                                          "(segment 0)")
-                if adapter is not None:
-                    segs[0] = self._checked_prefix(s, adapter, fingerprint)
-        return segs
-
-    def _checked_prefix(self, s: PrefixSegment, adapter: DecoderAdapter, fingerprint: str) -> PrefixSegment:
-        expected = (adapter.num_layers, 2, adapter.num_kv_heads, len(s), adapter.head_dim)
-        if tuple(s.kv.shape) != expected:
-            raise ChunkMismatchError(f"the prefix segment's K/V is shaped {tuple(s.kv.shape)}, this model needs "
-                                     f"[layers, 2, kv_heads, tokens, head_dim] = {list(expected)}")
-        if s.model_fingerprint is not None and s.model_fingerprint != fingerprint:
-            raise ChunkMismatchError(f"the prefix segment was computed by another model (fingerprint "
-                                     f"{s.model_fingerprint[:12]}, this model is {fingerprint[:12]})")
-        if s.kv.device != self.device or s.kv.dtype != self.dtype:
-            return PrefixSegment(s.token_ids, s.kv.to(device=self.device, dtype=self.dtype), s.model_fingerprint,
-                                 s.approximate_tokens)
-        return s
-
-    def _check_chunk(self, index: int, chunk: ChunkKV, adapter: DecoderAdapter, fingerprint: str) -> None:
-        expected = (adapter.num_layers, adapter.num_kv_heads, len(chunk), adapter.head_dim)
-        got_layers = chunk.num_layers
-        shape = tuple(chunk.keys[0].shape) if got_layers else ()
-        if got_layers != expected[0] or shape != expected[1:] or len(chunk.values) != got_layers:
-            raise ChunkMismatchError(
-                f"cached chunk {index} does not fit this model: it has {got_layers} layers of K shaped {shape}, "
-                f"the model needs {expected[0]} layers of [kv_heads={expected[1]}, tokens={expected[2]}, "
-                f"head_dim={expected[3]}]. It was computed by another model; recompute it with this engine"
-            )
-        if chunk.model_fingerprint is not None and chunk.model_fingerprint != fingerprint:
-            raise ChunkMismatchError(
-                f"cached chunk {index} was computed by another model (fingerprint "
-                f"{chunk.model_fingerprint[:12]}, this model is {fingerprint[:12]}); recompute it with this engine"
-            )
 
     # ----------------------------------------------------------- full prefill
     @torch.inference_mode()

@@ -42,6 +42,16 @@ def split_approximate_prefix(a: DecoderAdapter, prefix: PrefixSegment) -> list[S
     return [*head, CachedSegment(rest)]
 
 
+def fresh_after_exact(segs: Sequence[Segment], exact: int) -> list[Segment]:
+    """``segs`` with every cached segment after the first ``exact`` tokens made fresh."""
+    out: list[Segment] = []
+    offset = 0
+    for s in segs:
+        out.append(s if offset < exact or isinstance(s, FreshSegment) else FreshSegment(s.token_ids))
+        offset += len(s.token_ids)
+    return out
+
+
 def exact_prefix_length(segs: Sequence[Segment], lossless: Sequence[bool] | None = None) -> int:
     """Tokens at the start of the prompt whose cached K/V is exactly what full prefill computes:
     the leading cached chunks each computed behind exactly the prompt text before it (the
