@@ -4,6 +4,7 @@ The engine is a facade over the pieces that do the work, each in its own module:
 
 * :mod:`~cacheblend_rag.engine.precompute`: a chunk's K (before RoPE) and V, computed alone or
   behind a prefix (CacheBlend's offline step);
+* :mod:`~cacheblend_rag.engine.validation`: the segments checked before anything is computed;
 * :mod:`~cacheblend_rag.engine.blend_run`: one blend, layer by layer (start reading there);
 * :mod:`~cacheblend_rag.engine.selection`: which cached tokens to recompute;
 * :mod:`~cacheblend_rag.engine.profile` and :mod:`~cacheblend_rag.engine.attention`: the
