@@ -296,13 +296,12 @@ def probes_offset(first: int) -> AbstractContextManager[None]:
     """``shift_probe_stride``'s probes starting ``first`` tokens into each chunk instead of half a stride in."""
     from cacheblend_rag.engine import blend_run
 
-    def placed(chunk_spans, stride: int) -> torch.Tensor:
+    def placed(chunk_spans, stride: int) -> list[int]:
         if not stride:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.tensor([i for start, end in chunk_spans for i in range(start + first, end, stride)],
-                            dtype=torch.long)
+            return []
+        return [i for start, end in chunk_spans for i in range(start + first, end, stride)]
 
-    return attribute_replaced(blend_run, "probe_indices", placed)
+    return attribute_replaced(blend_run, "probe_list", placed)
 
 
 def similar_shift(beta: float, feature: str = "key", pool: str = "probes") -> AbstractContextManager[None]:

@@ -113,7 +113,9 @@ class BlendRun:
         self.probes_host = probe_list(layout.chunk_spans, cfg.shift_probe_stride)
         self.probes = torch.tensor(self.probes_host, dtype=torch.long, device=layout.cached_pos.device)
         self.estimators: torch.Tensor | None = None  # the tokens whose change estimates the stale shifts
-        self._estimated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _estimating_tokens
+        self._estimated: tuple[torch.Tensor, ...] | None = None  # see _estimating_tokens
+        self._unrotation_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the estimators' (_unrotation)
+        self._cached_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 tables of cached_pos
         self.probes_dropped = False  # a budget could not hold the probes: no probes, no corrections
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
         self.selected_positions: list[int] | None = None  # the selection's positions, read back once
@@ -315,8 +317,7 @@ class BlendRun:
         if not pos.numel():
             return
         if self.key_correction:
-            change = fresh_keys[:, :, rows] - key_layer[:, :, pos]
-            change = self.a.apply_rope(change.float(), self.cos[:, pos].float(), -self.sin[:, pos].float())
+            change = self.a.apply_rope((fresh_keys[:, :, rows] - key_layer[:, :, pos]).float(), *self._unrotation())
             self._shift_cached_keys(key_layer, self._stale_key_shift(key_layer, change))
         if self.value_correction:
             change = fresh_values[:, :, rows].float() - value_layer[:, :, pos].float()
@@ -343,7 +344,15 @@ class BlendRun:
             counts = torch.zeros(self.shift_groups, dtype=torch.float32, device=pos.device)
             counts.index_add_(0, self.chunk_of[self.estimators], torch.ones_like(pos, dtype=torch.float32))
             self._estimated = (selected, pos, torch.searchsorted(self.active, pos), counts.clamp_(min=1))
+            self._unrotation_tables = None
         return self._estimated[1], self._estimated[2]
+
+    def _unrotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 tables that turn the estimators' keys back to before RoPE, built once per selection."""
+        if self._unrotation_tables is None:
+            pos = self._estimating_tokens()[0]
+            self._unrotation_tables = self.a.rope_tables(self.cos[:, pos].float(), -self.sin[:, pos].float())
+        return self._unrotation_tables
 
     def _chunk_means(self, change: torch.Tensor) -> torch.Tensor:
         """``change`` (``[1, kv_heads, estimators, head_dim]``) averaged over each chunk's estimating tokens,
@@ -360,7 +369,9 @@ class BlendRun:
         """Add ``stale_key_correction`` times ``shift`` (before RoPE, one row per blendable cached token),
         rotated to each token's position, to ``key_layer``."""
         cached_pos = self.layout.cached_pos
-        rotated = self.a.apply_rope(shift, self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
+        if self._cached_rotation is None:  # the same positions every layer: the tables are built once a blend
+            self._cached_rotation = self.a.rope_tables(self.cos[:, cached_pos].float(), self.sin[:, cached_pos].float())
+        rotated = self.a.apply_rope(shift, *self._cached_rotation)
         key_layer.index_add_(2, cached_pos, (self.key_correction * rotated).to(key_layer.dtype))
 
     def _context(
