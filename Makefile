@@ -25,7 +25,7 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # collection: ~21 CPU s, ~14 once the bytecode is written). __pycache__ folders are gitignored.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
-.PHONY: install demo test test-fast bench gpu-check quality-model clean redis-server
+.PHONY: install demo test test-fast bench gpu-check quality-model peers clean redis-server
 
 install: $(STAMP)
 
@@ -75,6 +75,23 @@ quality-model: $(STAMP)
 # Correctness in bfloat16 on the GPU, then TTFT there (SmolLM2 and a random 1.2B Llama); says so and exits 0 without CUDA.
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
+
+# The peers benchmarks/bench_peers.py measures beside this package (issue 55): KVBoost and llama-cpp-python, into
+# the venv only (never the package's dependencies; `make test` needs neither). llama-cpp-python comes from PyPI as
+# source, built for this CPU and never taken from pip's wheel cache (GGML_NATIVE: -march=native; no llava/mtmd
+# library, which the bench never loads): ~10 min on the 2-core Xeon (AMX) of issue 55 (9.9 and 11.1 min wall,
+# 6.4 CPU-min, both beside other jobs on the two cores). Where the CPU has AMX, ggml's AMX kernels are left out:
+# its AMX matmul segfaulted on the first prompt there (ggml-org/llama.cpp#20824; dspy#10079 drops the AMX build for
+# the same crash); AVX-512, VNNI and BF16 stay. To rebuild: .venv/bin/pip uninstall llama-cpp-python; make peers
+PEERS_NO_AMX := $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),\
+  -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
+PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $(PEERS_NO_AMX)
+peers: $(STAMP)
+	@echo "peers: kvboost 0.9.0"
+	@$(PIP_INSTALL) "kvboost==0.9.0"
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "peers: llama-cpp-python, built from source (minutes)"; \
+	  CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"; }
+	@echo "peers: done; run $(PY) benchmarks/bench_peers.py --help"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
