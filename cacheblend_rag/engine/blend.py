@@ -245,20 +245,23 @@ class CacheBlendEngine:
         *,
         config: BlendConfig | None = None,
         store: KVSourceProvider | None = None,
+        room: int = 0,
     ) -> BlendResult:
         """Blend ``segments`` into next-token logits and a decoding cache (:mod:`~cacheblend_rag.engine.blend_run`).
         ``config``: this call's setting; ``None`` takes :meth:`default_config`. The stats name the
-        setting and its source (``blend_setting``, ``config_source``)."""
+        setting and its source (``blend_setting``, ``config_source``). ``room``: tokens the answer may add,
+        left free after the prompt in each merged layer's buffer so decoding writes them in place (generation
+        passes its ``max_new_tokens``; capped by the context window)."""
         started = time.perf_counter()
         cfg, source = (config, "user") if config is not None else self.default_and_source()
-        result = self._blend(segments, cfg, store, started)
+        result = self._blend(segments, cfg, store, started, room)
         result.stats.blend_setting, result.stats.config_source = describe_config(cfg), source
         result.stats.dtype, result.stats.dtype_reason = dtype_name(self.dtype), self.dtype_reason
         result.stats.device = self.device.type  # whose calibration applies: one setting per device type
         return result
 
     def _blend(self, segments: Iterable[SegmentLike], cfg: BlendConfig, store: KVSourceProvider | None,
-               started: float) -> BlendResult:
+               started: float, room: int = 0) -> BlendResult:
         segs = validate_segments(self, segments, store)
         if all(isinstance(s, FreshSegment) for s in segs):
             return self._prefill([t for s in segs for t in s.token_ids], started)
@@ -290,7 +293,9 @@ class CacheBlendEngine:
         source, hits, misses = open_cached_source(self, segs, store, 0 if reads_from_start else check_layer)
         try:
             layout = PromptLayout.of(segs, self.device, source.lossless())
-            run = BlendRun(self.adapter, layout, source, cfg, strategy, check_layer, self.model.config, self.dtype)
+            room = max(0, min(room, self.context_window - layout.n))
+            run = BlendRun(self.adapter, layout, source, cfg, strategy, check_layer, self.model.config, self.dtype,
+                           room)
             result = run.run(started)
         finally:
             source.close()

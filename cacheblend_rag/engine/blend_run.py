@@ -64,7 +64,7 @@ class BlendRun:
 
     def __init__(
         self, a: DecoderAdapter, layout: PromptLayout, source: CachedKVSource, cfg: BlendConfig,
-        strategy: SelectionStrategy, check_layer: int, model_config: Any, dtype: torch.dtype,
+        strategy: SelectionStrategy, check_layer: int, model_config: Any, dtype: torch.dtype, room: int = 0,
     ) -> None:
         self.a = a
         self.layout = layout
@@ -119,7 +119,7 @@ class BlendRun:
         self.probes_dropped = False  # a budget could not hold the probes: no probes, no corrections
         self.cos, self.sin = a.rope_cos_sin(a.embed(layout.ids[:1].unsqueeze(0)), layout.positions.unsqueeze(0))
         self.selected_positions: list[int] | None = None  # the selection's positions, read back once
-        self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype)
+        self.merged = MergedLayers(a, layout, source, self.cos, self.sin, dtype, room)
         self.attention = PartialAttention(cfg.mask)
         self.profile: Profile | None = None
         self.selected: torch.Tensor | None = None

@@ -61,6 +61,24 @@ class Sampler(Protocol):
 _STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
 
+def _with_room(k: torch.Tensor, v: torch.Tensor, room: int) -> torch.Tensor | None:
+    """The buffer ``k`` and ``v`` are the two halves of, ``[1, 2 * kv_heads, n + room, head_dim]`` with the keys
+    first, as a blend's merged layers are made (``MergedLayers.read``); ``None`` if they are not. Read from
+    their storage and strides: views made under ``torch.inference_mode`` keep no ``_base``."""
+    heads, n, dim = k.shape[1], k.shape[2], k.shape[3]
+    total = n + room
+    stride = (2 * heads * total * dim, total * dim, dim, 1)
+    if k.shape[0] != 1 or k.stride() != stride or v.stride() != stride or v.shape != k.shape or v.dtype != k.dtype:
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    if v.storage_offset() - k.storage_offset() != heads * total * dim:
+        return None
+    if (k.storage_offset() + stride[0]) * k.element_size() > k.untyped_storage().nbytes():
+        return None
+    return k.as_strided((1, 2 * heads, total, dim), stride, k.storage_offset())
+
+
 class DecodingKV:
     """One request's keys (rotated) and values for decoding, layer by layer, with room to grow, and
     the rotary tables of the positions it will decode.
@@ -80,8 +98,10 @@ class DecodingKV:
         for layer in cache.layers:
             k, v = layer.keys, layer.values  # [1, kv_heads, n, head_dim]
             n = k.shape[2]
-            buffer = k.new_empty((1, 2 * k.shape[1], n + room, k.shape[3]))
-            buffer[:, : k.shape[1], :n], buffer[:, k.shape[1] :, :n] = k, v
+            buffer = _with_room(k, v, room)
+            if buffer is None:  # not the halves of a blend's buffer with room: copied into one
+                buffer = k.new_empty((1, 2 * k.shape[1], n + room, k.shape[3]))
+                buffer[:, : k.shape[1], :n], buffer[:, k.shape[1] :, :n] = k, v
             self._adopt(buffer)
             self.lengths.append(n)
         self.adapter = adapter
@@ -237,8 +257,9 @@ class Decoding:
 
     @property
     def kv(self) -> DecodingKV | None:
-        """The request's decoding KV, copied from the blend's cache at its first step (not before, so
-        the first token reaches the caller without waiting for the copy)."""
+        """The request's decoding KV, set up from the blend's cache at its first step: a blend's layers made
+        with room for the answer are taken over as they are, other layers are copied (not before the first
+        step, so the first token reaches the caller without waiting for a copy)."""
         if self._kv is None and self.cache is not None and self.engine.adapter is not None:
             self._kv = DecodingKV(self.cache, self.room, self.engine.adapter, self.position)
             self.cache = None

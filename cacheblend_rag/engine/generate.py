@@ -27,7 +27,7 @@ class BlendingModel(DecodingModel, Protocol):
 
     def blend(
         self, segments: Iterable[SegmentLike], *, config: BlendConfig | None = None,
-        store: KVSourceProvider | None = None,
+        store: KVSourceProvider | None = None, room: int = 0,
     ) -> BlendResult: ...
 
 
@@ -227,7 +227,8 @@ def start_decoding(
 
         constraint = JsonConstraint.from_text(engine, gen.json_schema, sorted(eos), budget=gen.max_new_tokens,
                                               optional=not gen.json_only)
-    blended = engine.blend(segments, config=config, store=store)
+    # Room for the answer's tokens after the first, as the decoding KV will want it (Decoding.room).
+    blended = engine.blend(segments, config=config, store=store, room=max(1, gen.max_new_tokens - 1))
     return Decoding(engine, gen, blended, TokenSampler(gen, blended.input_ids, constraint, eos), eos, started)
 
 

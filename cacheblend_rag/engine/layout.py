@@ -213,13 +213,15 @@ class MergedLayers:
 
     def __init__(
         self, a: DecoderAdapter, layout: PromptLayout, source: CachedKVSource,
-        cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+        cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, room: int = 0,
     ) -> None:
+        """``room``: positions left free after the prompt in each layer's buffer (:meth:`read`)."""
         self.a = a
         self.layout = layout
         self.source = source
         self.cos, self.sin = cos, sin
         self.shape = (1, a.num_kv_heads, layout.n, a.head_dim)
+        self.room = room
         self.dtype = dtype
         # One buffer for every layer's stored keys before RoPE, from the end of the prefix segment on;
         # the positions no chunk covers stay zero.
@@ -231,14 +233,17 @@ class MergedLayers:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout, m = self.layout, self.layout.prefix_len
         parts = self.source.layer_parts(layer, layout.chunk_lengths) if layout.prompt_spans else []
-        value_layer = torch.zeros(self.shape, dtype=self.dtype, device=self.cos.device)
+        # K and V of the layer are the two halves of one buffer with ``room`` free positions after the
+        # prompt: decoding writes its tokens there in place instead of copying the layer (DecodingKV).
+        kv_heads, n = self.shape[1], self.shape[2]
+        buffer = torch.zeros((1, 2 * kv_heads, n + self.room, self.shape[3]), dtype=self.dtype, device=self.cos.device)
+        key_layer, value_layer = buffer[:, :kv_heads, :n], buffer[:, kv_heads:, :n]
         # Chunks that sit side by side are written with one concatenation each for K and V, straight into
         # the layer: per-chunk copies made a GPU blend wait on thousands of small launches (performance.md, GPU).
         for start, end, first, last in self._runs:
             keys, values = [k for k, _ in parts[first:last]], [v for _, v in parts[first:last]]
             torch.cat(keys, dim=1, out=self._raw_keys[0, :, start - m : end - m])
             torch.cat(values, dim=1, out=value_layer[0, :, start:end])
-        key_layer = torch.empty_like(value_layer)
         if layout.prefix is not None:
             key_layer[0, :, :m].copy_(layout.prefix.kv[layer, 0])
             value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])

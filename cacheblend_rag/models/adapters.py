@@ -100,7 +100,7 @@ class DecoderAdapter:
         return self.decoder.embed_tokens(input_ids)
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden))
+        return self.model.lm_head(self._rms_norm(self.decoder.norm, hidden))
 
     # -- rotary embedding -----------------------------------------------------
     def rope_cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,3 +146,34 @@ def test_stale_corrections_estimate_from_the_selected_probes_only(monkeypatch):
                       min_blend_tokens=0)
     engine.blend(_segments(engine), config=cfg)
     assert seen and all(estimators <= selected for estimators, selected in seen)
+
+
+@pytest.mark.parametrize("setting", ["default", "CacheBlend"])
+def test_decoding_takes_over_the_blends_layers_without_a_copy(setting):
+    """Generation asks the blend for room after the prompt; decoding then writes into the blend's own buffers
+    (layers the blend computed for every token, before a check layer, are copied as before)."""
+    from cacheblend_rag.engine.generate import start_decoding
+    from cacheblend_rag.config import GenerationConfig
+
+    engine = tiny_engine("llama")
+    cfg = SETTINGS[setting]
+    decoding = start_decoding(engine, _segments(engine), GenerationConfig(max_new_tokens=6, temperature=0), cfg, None)
+    blended_keys = [layer.keys for layer in decoding.cache.layers]
+    kv = decoding.kv
+    taken = [kv.keys[layer].data_ptr() == blended_keys[layer].data_ptr() for layer in range(engine.num_layers)]
+    first_merged = 0 if setting == "default" else 2  # CacheBlend computes layers 0-1 on every token
+    assert all(taken[first_merged:]) and not any(taken[:first_merged])
+    assert all(k.shape[2] == blended_keys[0].shape[2] + decoding.room for k in kv.keys)
+
+
+def test_generation_is_the_same_with_the_blends_buffers_taken_over():
+    engine = tiny_engine("qwen2")
+    segments = _segments(engine)
+    cfg = SETTINGS["probes"]
+    with_room = engine.generate(segments, config=cfg, max_new_tokens=8, temperature=0).token_ids
+    blended = engine.blend(segments, config=cfg)  # no room: decoding copies every layer, as before
+    from cacheblend_rag.engine.decode import DecodingKV
+
+    assert all(DecodingKV(blended.cache, 4).buffers[i].data_ptr() != blended.cache.layers[i].keys.data_ptr()
+               for i in range(engine.num_layers))
+    assert with_room == engine.generate(segments, config=cfg, max_new_tokens=8, temperature=0).token_ids
