@@ -9,58 +9,23 @@ import json
 import logging
 
 import pytest
-import torch
 
 from cacheblend_rag.bench import calibration as calibration_module
 from cacheblend_rag.bench.calibrate_commands import run_calibration
 from cacheblend_rag.bench.calibration import CalibrationTarget, calibrate, parse_candidates, prompt_key
-from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 from cacheblend_rag.bench.requests import BlendRequest, FullPrefillRequest, run_request
 from cacheblend_rag.bench.stores import ChunkStoreFactory
 from cacheblend_rag.cli import build_parser
-from cacheblend_rag.data import demo_corpus_dir, load_demo_corpus, load_demo_questions
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, load_calibration
+from cacheblend_rag.data import demo_corpus_dir, load_demo_questions
+from cacheblend_rag.engine.calibrated import load_calibration
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.testing import tiny_engine
 
-CANDIDATES = "kv_deviation@0.1,kv_deviation@0.5,kv_deviation@1.0,query_profiled+prefix@0.15"
+from calibration_fixtures import (  # noqa: F401 (fixtures, shared with the other calibration tests)
+    CANDIDATES, _one_thread, _own_calibration_dir, engine, measured, prompts,
+)
+
 TEACHER = 16  # calibrate's default
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _own_calibration_dir(tmp_path, monkeypatch):
-    # Never the user's ~/.cache: a test's engine must not find (or leave) a real calibration.
-    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path / "calibration"))
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def prompts(engine):
-    docs, questions = load_demo_corpus(), load_demo_questions()
-    return [build_prompt(engine.tokenizer, MusiqueExample(q.question, [q.answer],
-                                                          [(d.title, d.text) for d in docs[i:i + 3]]),
-                         passages=3, max_passage_tokens=40) for i, q in enumerate(questions[:3])]
-
-
-@pytest.fixture(scope="module")
-def measured(engine, prompts, tmp_path_factory):
-    """One calibration's measurements, in a state file the tests calibrate from again (no new work)."""
-    state = tmp_path_factory.mktemp("state") / "state.json"
-    result = calibrate(engine, prompts, CANDIDATES, progress=False, state_path=state, resume=False)
-    return result, state
 
 
 def stubbed(state, tmp_path, answers: dict[str, tuple[float, bool]], default: tuple[float, bool]):
