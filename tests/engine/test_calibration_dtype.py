@@ -16,19 +16,15 @@ from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
 from cacheblend_rag.bench.calibration import calibrate
 from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 from cacheblend_rag.engine import calibrated
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, parse_document
+from cacheblend_rag.engine.calibrated import parse_document
 from cacheblend_rag.models.catalog import lookup
 from cacheblend_rag.models.fingerprint import content_identity, record_weights_source
 from cacheblend_rag.testing import tiny_engine
 
+from calibration_fixtures import _own_calibration_dir  # noqa: F401 (an autouse fixture)
+
 PASSAGES = [("France", "Paris is the capital of France. The quick brown fox jumps over the lazy dog."),
             ("Amazon", "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.")]
-
-
-@pytest.fixture(autouse=True)
-def _own_calibration_dir(tmp_path, monkeypatch):
-    # Never the user's ~/.cache: a test's engine must not find (or leave) a real calibration.
-    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path / "calibration"))
 
 
 @pytest.fixture(scope="module")
