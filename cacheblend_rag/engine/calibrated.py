@@ -32,13 +32,13 @@ import datetime as _dt
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.json_file import write_json_atomically  # noqa: F401 (the calibration tools write through it)
 from cacheblend_rag.models.loader import cache_root
 
 logger = logging.getLogger(__name__)
@@ -394,21 +394,6 @@ def _listing(folder: Path) -> list[Path]:
     paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".state.json"))
     _LISTED[folder] = (mtime, paths)
     return paths
-
-
-def write_json_atomically(path: Path, document: dict[str, Any]) -> Path:
-    """Write ``document`` so that a reader (or a stop midway) sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(document, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def save_calibration(document: dict[str, Any], directory: str | os.PathLike[str] | None = None) -> Path:

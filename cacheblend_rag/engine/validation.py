@@ -83,7 +83,8 @@ def validate_segments(engine: "CheckedModel", segments: Iterable[SegmentLike], s
     return segs
 
 
-def checked_prefix(engine: "CheckedModel", s: PrefixSegment, adapter: DecoderAdapter, fingerprint: str) -> PrefixSegment:
+def checked_prefix(engine: "CheckedModel", s: PrefixSegment, adapter: DecoderAdapter,
+                   fingerprint: str) -> PrefixSegment:
     expected = (adapter.num_layers, 2, adapter.num_kv_heads, len(s), adapter.head_dim)
     if tuple(s.kv.shape) != expected:
         raise ChunkMismatchError(f"the prefix segment's K/V is shaped {tuple(s.kv.shape)}, this model needs "

@@ -199,8 +199,8 @@ class Qwen3Adapter(DecoderAdapter):
         b, t, _ = normed.shape
         heads = self._qkv_weights.project(layer, normed).view(b, t, -1, self.head_dim)
         h, qk = self.num_heads, self.qk_heads
-        return torch.cat([self._rms_norm(attn.q_norm, heads[:, :, :h]), self._rms_norm(attn.k_norm, heads[:, :, h:qk]), heads[:, :, qk:]],
-                         dim=2).transpose(1, 2)
+        q, k = self._rms_norm(attn.q_norm, heads[:, :, :h]), self._rms_norm(attn.k_norm, heads[:, :, h:qk])
+        return torch.cat([q, k, heads[:, :, qk:]], dim=2).transpose(1, 2)
 
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.models.json_file import write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def cached_probe(cpu: str, width: int, path: Path | None) -> float:
                     "bfloat16_ms": round(bfloat16_s * 1e3, 3), "threads": torch.get_num_threads(),
                     "measured_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     try:
-        _write_atomically(path, {"format": PROBE_FORMAT, "version": PROBE_VERSION, "entries": entries})
+        write_json_atomically(path, {"format": PROBE_FORMAT, "version": PROBE_VERSION, "entries": entries}, indent=1)
     except OSError as exc:  # a read-only cache costs a probe per load, nothing more
         logger.info("could not keep the dtype probe in %s (%s); it will run again on the next load", path, exc)
     return speedup
@@ -186,18 +186,6 @@ def _read_probe_file(path: Path) -> dict[str, Any]:
                        "rewriting it", path, PROBE_VERSION)
         return {}
     return dict(document["entries"])
-
-
-def _write_atomically(path: Path, document: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(document, out, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def probe_matmul(width: int, rows: int = PROBE_ROWS, repeats: int = 3) -> tuple[float, float]:
