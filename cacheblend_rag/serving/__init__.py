@@ -2,6 +2,8 @@
 and one path from a rendered prompt to a blended answer. The integrations are framework glue on top.
 
 * :mod:`~cacheblend_rag.serving.settings`: :class:`CacheBlendSettings`, the pydantic fields both expose;
+* :mod:`~cacheblend_rag.serving.arguments`: the names those fields take, checked (an unknown one names the
+  closest known one), and the Hugging Face integrations' spellings read as them;
 * :mod:`~cacheblend_rag.serving.registry`: one engine per model, one scheduler per engine, one chunk
   cache per engine and store;
 * :mod:`~cacheblend_rag.serving.scheduler`: :class:`RequestScheduler`, the one worker thread of an
@@ -26,7 +28,8 @@ from cacheblend_rag.serving.registry import (
 from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, RequestScheduler, SchedulerFullError
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
-from cacheblend_rag.serving.settings import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving.arguments import BLEND_FIELDS, SAMPLING_FIELDS, unknown_names_error
+from cacheblend_rag.serving.settings import CacheBlendSettings
 
 __all__ = [
     "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",

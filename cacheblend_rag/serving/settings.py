@@ -4,20 +4,17 @@
 :class:`CacheBlendSettings` beside their framework's base class, so they expose the same
 fields with the same defaults, validated the same way: every :class:`~cacheblend_rag.BlendConfig`
 field, which model and where chunk KV lives. Unknown keywords are an error that suggests the
-closest known one. Generation settings keep each framework's own names (``max_new_tokens``
-in LlamaIndex, ``max_tokens`` in LangChain) and live in the integrations.
+closest known one (:mod:`~cacheblend_rag.serving.arguments` checks the names and reads the Hugging
+Face spellings). Generation settings keep each framework's own names (``max_new_tokens`` in
+LlamaIndex, ``max_tokens`` in LangChain) and live in the integrations.
 """
 
 from __future__ import annotations
 
-import difflib
-import logging
 import os
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
@@ -30,15 +27,21 @@ from cacheblend_rag.engine.calibrated import (
     describe_config,
 )
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
-from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, resolve_device
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.prompting import default_conditioning_prefix
+from cacheblend_rag.serving.arguments import (
+    BLEND_FIELDS,
+    SAMPLING_FIELDS,
+    checked_as_given,
+    hugging_face_spellings,
+    unknown_names_error,
+)
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, segment_cache_for, shared_engine
 from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
-logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
 # 256 MiB holds about 5,700 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): the leads and
 # recent conversations of a small server. Larger models want more.
@@ -51,19 +54,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
 # prompts may differ slightly, still blended); 0 gives order-independent answers. docs/design.md,
 # "The segment cache", has what it buys.
 DEFAULT_SEGMENT_CACHE_BYTES = 64 * 1024 * 1024
-# Every BlendConfig field is exposed, under its own name; calls may override them too.
-BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 # Setting any of these leaves the setting to the user: a saved calibration is then not used.
 _CALIBRATED_CHOICES = frozenset({*CALIBRATED_FIELDS, "condition_chunks"})
-
-
-def unknown_names_error(owner: str, unknown: list[str], allowed: set[str], what: str = "argument") -> ValueError:
-    """``owner got unknown argument(s) 'x' (did you mean 'y'?)``."""
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, sorted(allowed), 1)
-        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
-    return ValueError(f"{owner} got unknown {what}(s) {', '.join(hints)}")
 
 
 class CacheBlendSettings(BaseModel):
@@ -242,7 +234,7 @@ class CacheBlendSettings(BaseModel):
     )
 
     # The Hugging Face integrations' spellings a user brings (HuggingFaceLLM, ChatHuggingFace): accepted,
-    # and turned into these fields (see _hugging_face_spellings).
+    # and turned into these fields (see serving.arguments.hugging_face_spellings).
     _max_tokens_field: ClassVar[str] = "max_new_tokens"
 
     _service: BlendService = PrivateAttr()
@@ -255,8 +247,8 @@ class CacheBlendSettings(BaseModel):
     def _known_arguments_only(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
-        values = _hugging_face_spellings(cls.__name__, {k: v for k, v in values.items()
-                                                        if k not in cls._ignored_init_args}, cls._max_tokens_field)
+        values = hugging_face_spellings(cls.__name__, {k: v for k, v in values.items()
+                                                       if k not in cls._ignored_init_args}, cls._max_tokens_field)
         allowed = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         unknown = sorted(set(values) - allowed)
         if unknown:
@@ -264,7 +256,7 @@ class CacheBlendSettings(BaseModel):
         if values.get("model") is None:
             engine = values.get("engine")
             values["model"] = engine.model_name if engine is not None else DEFAULT_MODEL_NAME
-        _checked_as_given(values)
+        checked_as_given(values)
         return values
 
     @field_validator("store_path")
@@ -419,85 +411,6 @@ class CacheBlendSettings(BaseModel):
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
         values.update({k: v for k, v in overrides.items() if k in SAMPLING_FIELDS and v is not None})
         return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()), **values)
-
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "min_new_tokens")
-
-
-def _checked_as_given(values: dict[str, Any]) -> None:
-    """Check the BlendConfig and sampling fields as the user wrote them, before pydantic coerces them
-    (``recompute_ratio="0.15"`` would become 0.15): one validation, BlendConfig's and
-    GenerationConfig's, whatever the entry point. Raises their ConfigError (a ValueError)."""
-    blend = {name: values[name] for name in BLEND_FIELDS if name in values}
-    if blend:
-        BlendConfig(**blend)
-    sampling = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
-    if sampling:
-        # The answer's length is checked against min_new_tokens per call, where both are known.
-        GenerationConfig(max_new_tokens=max(1, int(sampling.get("min_new_tokens") or 0)), **sampling)
-_GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample",
-                    "seed", "min_new_tokens"}
-
-
-def _hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str) -> dict[str, Any]:
-    """``HuggingFaceLLM``/``ChatHuggingFace`` arguments as this package's fields: ``model_name`` and
-    ``model_id`` are ``model``, ``torch_dtype`` is ``dtype``, a one-device ``device_map`` is ``device``,
-    ``generate_kwargs``/``pipeline_kwargs`` are the sampling fields. What cannot be honoured is an error
-    saying what to use."""
-    for alias in ("model_name", "model_id"):
-        if alias in values:
-            name = values.pop(alias)
-            if values.get("model") not in (None, name):
-                raise ValueError(f"{owner} got model={values['model']!r} and {alias}={name!r}; pass only model=")
-            values["model"] = name
-    if "torch_dtype" in values:
-        dtype = values.pop("torch_dtype")
-        values.setdefault("dtype", str(dtype).removeprefix("torch.") if dtype is not None else None)
-    if "device_map" in values:
-        values.setdefault("device", _one_device(owner, values.pop("device_map")))
-    for option in ("generate_kwargs", "pipeline_kwargs"):
-        given = values.pop(option, None) or {}
-        unknown = sorted(set(given) - _GENERATE_KWARGS)
-        if unknown:
-            raise ValueError(f"{owner} cannot honour {option} {unknown}: it supports {sorted(_GENERATE_KWARGS)} "
-                             "(as the fields of the same names)")
-        given = dict(given)
-        if given.pop("do_sample", None) is False:
-            given.setdefault("temperature", 0.0)
-        if "max_new_tokens" in given:
-            values.setdefault(max_tokens_field, given.pop("max_new_tokens"))
-        for name, value in given.items():
-            values.setdefault(name, value)
-    return values
-
-
-def _one_device(owner: str, device_map: Any) -> Optional[str]:
-    """The one device a ``device_map`` names (``"auto"``: the best one here, said in the log)."""
-    if device_map is None:
-        return None
-    if device_map == "auto":
-        return _auto_device(owner)
-    if isinstance(device_map, dict) and len(set(device_map.values())) == 1:
-        device_map = next(iter(device_map.values()))
-    if isinstance(device_map, int) and not isinstance(device_map, bool):
-        return f"cuda:{device_map}"
-    if isinstance(device_map, str) and device_map not in ("balanced", "balanced_low_0", "sequential"):
-        return device_map
-    raise ValueError(f"{owner} got device_map={device_map!r}: a blend runs the whole model on one device; pass "
-                     "device='cuda:0' (or 'cpu'), or device_map='auto' for the best one here")
-
-
-def _auto_device(owner: str) -> str:
-    """``device_map="auto"`` as the one device it maps to here; with several GPUs Hugging Face would split the
-    model over them, and a blend cannot, so that case is a warning rather than a note."""
-    device = str(resolve_device(None))
-    gpus = torch.cuda.device_count() if device.startswith("cuda") else 1
-    if gpus > 1:
-        logger.warning("%s: device_map='auto' runs the whole model on %s (a blend needs the model on one device; "
-                       "this machine has %d GPUs); pass device='cuda:N' to choose another", owner, device, gpus)
-    else:
-        logger.info("%s: device_map='auto' maps to device=%r, the one device here", owner, device)
-    return device
 
 
 __all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "SAMPLING_FIELDS", "unknown_names_error"]
