@@ -17,6 +17,7 @@ Other backends plug in with :func:`register_store_scheme`; the modules named in
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -31,19 +32,34 @@ from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_sch
 # scheme -> module that calls register_store_scheme(scheme, ...) when imported
 _LAZY_SCHEMES = {"redis": "cacheblend_rag.store.redis_store", "rediss": "cacheblend_rag.store.redis_store"}
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# What a size's unit may be, in the error message; ByteSize reads more (K, M, G, PB, EiB, Gbit...).
+_UNIT_EXAMPLES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 
 def parse_size(text: str | int) -> int:
-    """``"512MB"``, ``"2GiB"``, ``"1e9"`` or an int -> bytes."""
+    """``"512MB"``, ``"2GiB"``, ``"1e9"`` or an int -> bytes, read by pydantic's ``ByteSize``."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} is not understood; write a number of bytes with an optional unit "
-                          f"({', '.join(u.upper() for u in _UNITS if u)}), e.g. 512MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    byte_size, whole = _byte_size()
+    # ByteSize has no exponent: a number such as 1e9 is written out for it (1000000000.000000).
+    spelled = re.sub(r"^\s*[0-9]*\.?[0-9]+e[0-9]+", lambda m: format(float(m[0]), "f"), str(text))
+    # ByteSize reads a size at the start of the text; the rest must be blank, or "2GB of it" would be 2GB.
+    if whole.fullmatch(spelled):
+        try:
+            return int(byte_size.validate_python(spelled))
+        except ValueError:  # pydantic's ValidationError: an unknown unit, or a size past any int
+            pass
+    raise ConfigError(f"size {text!r} is not understood; write a number of bytes with an optional unit "
+                      f"({_UNIT_EXAMPLES}), e.g. 512MB or 2GiB")
+
+
+@functools.cache
+def _byte_size() -> tuple[Any, re.Pattern[str]]:
+    """pydantic's ``ByteSize`` validator, and its pattern of a whole size (imported on first use, as
+    opening a store does not need pydantic)."""
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize), re.compile(ByteSize.byte_string_pattern + r"\s*", re.IGNORECASE | re.ASCII)
 
 
 def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | None = None, **options: Any) -> KVStore:

@@ -9,7 +9,7 @@ import diskcache
 import pytest
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store import DiskKVStore, MemoryKVStore, TieredKVStore, open_store
+from cacheblend_rag.store import DiskKVStore, MemoryKVStore, TieredKVStore, open_store, parse_size
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 
 
@@ -188,6 +188,21 @@ def test_open_store_specs(tmp_path):
         open_store("memory:lots")
     with pytest.raises(ConfigError, match="max_bytes"):
         MemoryKVStore(max_bytes=0)
+
+
+@pytest.mark.parametrize("text, size", [
+    ("512MB", 512 * 10**6), ("2GiB", 2 * 2**30), (" 2 gb ", 2 * 10**9), ("2Gb", 2 * 10**9), (".5GB", 5 * 10**8),
+    ("1.5MiB", 3 * 2**19), ("1e9", 10**9), ("1.5e3MB", 15 * 10**8), ("7", 7), ("5 b", 5), (4096, 4096), (1.5, 1),
+])
+def test_sizes_are_read_with_or_without_a_unit(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "", "-5", "1.GB", "2GB of it", "10MB/s", "1E9", "1e400", True])
+def test_a_size_not_understood_says_how_to_write_one(text):
+    with pytest.raises(ConfigError, match=r"size .* is not understood; .*\(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB\), "
+                                          r"e\.g\. 512MB or 2GiB"):
+        parse_size(text)
 
 
 @pytest.mark.parametrize("spec, message", [
