@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,30 +51,10 @@ class BlendStats:
         return self.reused_tokens / self.total_tokens if self.total_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "total_tokens": self.total_tokens,
-            "cached_tokens": self.cached_tokens,
-            "reused_tokens": self.reused_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "fresh_tokens": self.fresh_tokens,
-            "exact_tokens": self.exact_tokens,
-            "prefix_tokens": self.prefix_tokens,
-            "approximate_prefix_tokens": self.approximate_prefix_tokens,
-            "exact_kv_tokens": self.exact_kv_tokens,
-            "cache_hits": self.cache_hits,
-            "cache_misses": self.cache_misses,
-            "load_failures": self.load_failures,
-            "loaded_tokens": self.loaded_tokens,
-            "timings": dict(self.timings),
-            "fallback_reason": self.fallback_reason,
-            "blend_setting": self.blend_setting,
-            "config_source": self.config_source,
-            "device": self.device,
-            "dtype": self.dtype,
-            "dtype_reason": self.dtype_reason,
-            "probes_dropped": self.probes_dropped,
-        }
+        """Every field, JSON-friendly, but ``selected_positions`` (one entry per recomputed token, not a statistic)."""
+        stats = asdict(replace(self, selected_positions=[]))
+        del stats["selected_positions"]
+        return stats
 
 
 @dataclass
