@@ -33,144 +33,48 @@ following request computes fresh at once, until a background probe (a ``PING`` e
 ``probe_interval`` seconds) finds the server answering and closes it. A request therefore waits
 for a dead or hung store at most once, and hits resume within one probe interval of its return.
 Bad URLs and rejected credentials are configuration errors, raised at construction with what to fix.
+
+The connection and its breaker are in :mod:`~cacheblend_rag.store.redis_connection`, the hash's fields
+and the server-side scripts in :mod:`~cacheblend_rag.store.redis_layout`; this module holds the store's
+commands, its shared counters and its registration under ``redis://`` and ``rediss://``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import threading
 from typing import Any, Callable, Iterator, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
-from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.errors import StoreError
 from cacheblend_rag.store.format import peek_manifest
+from cacheblend_rag.store.redis_connection import RedisConnection, positive_seconds, redact_url
+from cacheblend_rag.store.redis_layout import (
+    ADD_MANIFEST_SCRIPT,
+    DELETE_SCRIPT,
+    MANIFEST_FIELD,
+    PUT_LAYER_SCRIPT,
+    RECORD_SCRIPT,
+    RESTORE_SCRIPT,
+    corrupt_if_wrong_type,
+    layer_field,
+    model_namespace,
+)
 from cacheblend_rag.store.schemes import register_store_scheme
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_FIELD = b"m"
 DEFAULT_PREFIX = "cacheblend"
 # Namespace of a store not bound to a model: stats/clear/keys then cover every namespace.
 _ANY_NAMESPACE = "*"
 _SCAN_BATCH = 500
 
-# Errors after which the server is presumed down (not reachable, timing out, restarting, loading).
-_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError,
-                redis.exceptions.RedisClusterException, OSError)
 
-# KEYS[1] chunk hash; ARGV: field, value, pending expiry in seconds.
-_PUT_LAYER = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if redis.call('HEXISTS', KEYS[1], 'm') == 0 then
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-end
-return 1
-"""
-
-# KEYS[1] chunk hash; ARGV: manifest, ttl (0: none), write id, number of layers.
-# Returns 1 if stored, 0 if another manifest stands, -1 if a layer of this write is gone.
-_ADD_MANIFEST = """
-if redis.call('HEXISTS', KEYS[1], 'm') == 1 then return 0 end
-for layer = 0, tonumber(ARGV[4]) - 1 do
-  if redis.call('HEXISTS', KEYS[1], ARGV[3] .. ':' .. layer) == 0 then return -1 end
-end
-redis.call('HSET', KEYS[1], 'm', ARGV[1])
-local ttl = tonumber(ARGV[2])
-if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) else redis.call('PERSIST', KEYS[1]) end
-return 1
-"""
-
-
-# KEYS[1] chunk hash. Returns 1 if the chunk had a manifest. A key of another type (written by
-# another program) is removed too: it can never be a chunk.
-_DELETE = """
-if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
-  redis.call('UNLINK', KEYS[1])
-  return 0
-end
-local had = redis.call('HEXISTS', KEYS[1], 'm')
-redis.call('UNLINK', KEYS[1])
-return had
-"""
-
-# KEYS[1] counters hash; ARGV: field, increment, ... Returns the hash's epoch ('' if it has none:
-# it was just created) and the new totals, in order.
-_RECORD = """
-local result = {redis.call('HGET', KEYS[1], 'epoch') or ''}
-for i = 1, #ARGV, 2 do
-  result[#result + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-return result
-"""
-
-# KEYS[1] counters hash; ARGV[1] epoch, then field, amount, ... Adds the amounts and sets the epoch,
-# only if no epoch is set (so of several replicas that saw the hash evicted, one restores it).
-_RESTORE = """
-if redis.call('HSETNX', KEYS[1], 'epoch', ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do
-  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-return 1
-"""
-
-
-def model_namespace(fingerprint: str) -> str:
-    """The key namespace of a model: 16 hex digits of its fingerprint's SHA-256."""
-    return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password (kept: scheme, user, host, port, database); never raises."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return urlunsplit(parts._replace(query=""))
-        user = f"{parts.username}:***@" if parts.username else ":***@"
-        host = parts.hostname or ""
-        _, _, port = parts.netloc.rpartition("@")[2].rpartition(":")  # as written, valid or not
-        netloc = user + (f"[{host}]" if ":" in host else host) + (f":{port}" if port and "]" not in port else "")
-        return urlunsplit(parts._replace(netloc=netloc, query=""))
-    except ValueError:
-        return "redis://***"
-
-
-def _wrong_type(error: Exception) -> CorruptEntryError:
-    """A key of another type under a chunk's name (another program's string or list) as a corrupt
-    entry of that chunk; any other error is raised as it is."""
-    if isinstance(error, redis.exceptions.ResponseError) and "WRONGTYPE" in str(error):
-        return CorruptEntryError("the chunk's key holds a value of another type, not a chunk hash "
-                                 "(another program wrote it)")
-    raise error
-
-
-def _layer_field(write_id: str, layer: int) -> bytes:
-    return f"{write_id}:{layer}".encode()
-
-
-def _positive_number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        hint = ", or None for none" if allow_none else ""
-        raise ConfigError(f"{name}={value!r} must be a positive number of seconds{hint}")
-    return float(value)
-
-
-class RedisKVStore(KVStore):
+class RedisKVStore(RedisConnection, KVStore):
     """Chunk KV in Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``, or ``rediss://`` for TLS).
 
     ``prefix`` starts every key; ``namespace`` separates models (default: bound to the model
@@ -223,168 +127,24 @@ class RedisKVStore(KVStore):
         self.url = url
         self.prefix = prefix
         self.namespace = namespace
-        self.ttl = None if ttl in (None, "", "0", 0) else int(_positive_number("ttl", ttl))
-        self.pending_ttl = int(_positive_number("pending_ttl", pending_ttl))
-        self.probe_interval = _positive_number(
+        self.ttl = None if ttl in (None, "", "0", 0) else int(positive_seconds("ttl", ttl))
+        self.pending_ttl = int(positive_seconds("pending_ttl", pending_ttl))
+        self.probe_interval = positive_seconds(
             "probe_interval", options.pop("probe_interval", probe_interval if max_backoff is None else max_backoff))
-        self.read_timeout = _positive_number("read_timeout", options.pop("read_timeout", read_timeout))
+        self.read_timeout = positive_seconds("read_timeout", options.pop("read_timeout", read_timeout))
         self.cluster = bool(cluster)
-        client_class = redis.RedisCluster if self.cluster else redis.Redis
-        self._client = self._reader = None
-        try:
-            full_url = url + (("?" + urlencode(options)) if options else "")
-            connect_timeout = _positive_number("connect_timeout", connect_timeout)
-            timeout = options.get("socket_timeout", socket_timeout)
-            self._client = self._make_client(client_class, full_url, _positive_number("socket_timeout", timeout),
-                                             connect_timeout)
-            self._reader = self._make_client(client_class, url, self.read_timeout, min(connect_timeout,
-                                                                                         self.read_timeout),
-                                             {k: v for k, v in options.items() if k != "socket_timeout"})
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
-            # A cluster client reaches its nodes at construction already.
-            self._client = None
-            self._raise_connect_error(exc)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"Redis URL {redact_url(url)!r} is not valid: {exc}. Write redis://[[user]:password@]host[:port][/db] "
-                "or rediss://... for TLS"
-            ) from None
-        self._put_layer = self._client.register_script(_PUT_LAYER)
-        self._add_manifest = self._client.register_script(_ADD_MANIFEST)
-        self._delete = self._client.register_script(_DELETE)
-        self._record = self._client.register_script(_RECORD)
-        self._restore = self._client.register_script(_RESTORE)
+        self._open_clients(url, options, socket_timeout, connect_timeout)
+        self._put_layer = self._client.register_script(PUT_LAYER_SCRIPT)
+        self._add_manifest = self._client.register_script(ADD_MANIFEST_SCRIPT)
+        self._delete = self._client.register_script(DELETE_SCRIPT)
+        self._record = self._client.register_script(RECORD_SCRIPT)
+        self._restore = self._client.register_script(RESTORE_SCRIPT)
         # The shared counters as this replica last saw them, and the epoch of the hash they were in.
         self._seen_totals: dict[str, int] = {}
         self._epoch: str | None = None
-        self._health_lock = threading.Lock()
-        self._down: str | None = None  # why the breaker is open, while it is
-        self._probe: threading.Thread | None = None
-        self._closed = threading.Event()
         if check_connection:
             self.ping()
 
-    @staticmethod
-    def _make_client(client_class: type, url: str, timeout: float, connect_timeout: float,
-                     options: dict[str, str] | None = None) -> Any:
-        """A client whose commands wait at most ``timeout``. redis-py retries once a connection that
-        dropped (a pooled one, say, after a server restart), never a timeout: a hung server costs
-        one wait. Waiting for the server to come back is the probe's work, not a request's."""
-        if options:
-            url += "?" + urlencode(options)
-        return client_class.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-            decode_responses=False,
-        )
-
-    @staticmethod
-    def _split_url(url: str) -> tuple[str, dict[str, str]]:
-        """``url`` without its query, and the query's parameters."""
-        try:
-            parts = urlsplit(str(url))
-        except ValueError as exc:
-            raise ConfigError(f"Redis URL is not valid: {exc}") from None
-        if parts.scheme not in ("redis", "rediss"):
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} must start with redis:// or rediss:// (TLS)")
-        if not parts.hostname:
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} names no host; write redis://host:6379/0")
-        try:
-            port = parts.port
-        except ValueError:
-            port = 0
-        if port == 0:
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} has a port that is not a number in 1-65535")
-        database = parts.path.strip("/")
-        if database and not database.isdigit():
-            raise ConfigError(f"Redis URL {redact_url(str(url))!r} names database {database!r}; a Redis database is "
-                              "a number, e.g. redis://host:6379/0")
-        options = dict(parse_qsl(parts.query))
-        return urlunsplit(parts._replace(query="")), options
-
-    # ---------------------------------------------------------- connection
-    def ping(self) -> None:
-        """Reach the server now; raises :class:`ConfigError` for rejected credentials, else :class:`StoreError`."""
-        try:
-            self._client.ping()
-        except (TypeError, redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
-            self._raise_connect_error(exc)
-        self._mark_up()
-
-    def _raise_connect_error(self, exc: BaseException) -> None:
-        where = redact_url(self.url)
-        message = str(exc)
-        if isinstance(exc, TypeError):  # redis-py passes unknown URL query parameters on to the connection
-            raise ConfigError(f"Redis URL {where!r} has an option redis-py does not know ({exc}); this store adds "
-                              "prefix, namespace, ttl and cluster to redis-py's own (socket_timeout, "
-                              "ssl_cert_reqs, ...)") from None
-        auth_failed = isinstance(exc, (redis.exceptions.AuthenticationError,
-                                       redis.exceptions.AuthenticationWrongNumberOfArgsError))
-        if auth_failed or any(word in message.lower() for word in ("noauth", "wrongpass", "invalid password",
-                                                                    "invalid username-password", "authenticat")):
-            if urlsplit(self.url).password is None:
-                raise ConfigError(f"Redis at {where} requires a password ({exc}); write redis://:PASSWORD@host:port/0 "
-                                  "(or redis://USER:PASSWORD@... for an ACL user)") from None
-            raise ConfigError(f"Redis at {where} rejected the credentials ({exc}). Put the right password in the "
-                              "URL (redis://:PASSWORD@host:port/0, or redis://USER:PASSWORD@... for an ACL user)"
-                              ) from None
-        if isinstance(exc, redis.exceptions.ResponseError):
-            raise StoreError(f"Redis at {where} answered PING with an error: {exc}") from None
-        raise StoreError(f"cannot reach Redis at {where}: {exc}. Check the host and port, that the server "
-                         "runs, and that TLS (rediss://) matches the server; or pass check_connection=False "
-                         "to start while it is down") from None
-
-    def _mark_up(self) -> None:
-        if self._down is not None:
-            with self._health_lock:
-                was_down, self._down = self._down, None
-            if was_down:
-                logger.warning("Redis at %s answers again; reading and writing it again", redact_url(self.url))
-
-    def _trip(self, why: str) -> bool:
-        """Open the breaker and start the probe; ``True`` if it was closed (the first failure)."""
-        with self._health_lock:
-            first, self._down = self._down is None, why
-            if self._probe is None or not self._probe.is_alive():
-                self._probe = threading.Thread(target=self._probe_until_up, name="cacheblend-redis-probe",
-                                               daemon=True)
-                self._probe.start()
-        return first
-
-    def _probe_until_up(self) -> None:
-        """PING every ``probe_interval`` seconds (waiting at most ``read_timeout``) until the server answers."""
-        while not self._closed.wait(self.probe_interval):
-            try:
-                self._reader.ping()
-            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
-                logger.debug("Redis at %s still does not answer: %s", redact_url(self.url), exc)
-                continue
-            self._mark_up()
-            return
-
-    @contextlib.contextmanager
-    def _io(self, what: str) -> Iterator[None]:
-        where = redact_url(self.url)
-        if self._down is not None:
-            error = StoreError(f"Redis at {where} is unavailable ({self._down}); cannot {what}, a probe checks it "
-                               f"every {self.probe_interval:g}s")
-            error.warned = True  # said when it went down
-            raise error
-        try:
-            yield
-        except StoreError:
-            raise
-        except _UNAVAILABLE as exc:
-            first = self._trip(f"{type(exc).__name__}: {exc}")
-            error = StoreError(f"Redis at {where} is unavailable ({exc}); cannot {what}, skipping it until a probe "
-                               f"(every {self.probe_interval:g}s) finds it answering")
-            error.warned = not first
-            raise error from exc
-        except redis.exceptions.RedisError as exc:
-            message = str(exc)
-            if "LOADING" in message or "MASTERDOWN" in message or "TRYAGAIN" in message:
-                self._trip(message)
-            raise StoreError(f"Redis at {where} cannot {what}: {exc}") from exc
 
     # ----------------------------------------------------------------- keys
     def bind_model(self, fingerprint: str, *, max_value_bytes: int | None = None) -> None:
@@ -416,7 +176,7 @@ class RedisKVStore(KVStore):
     def get_layers(self, requests: Sequence[tuple[str, str, int]]) -> list[bytes | None]:
         if not requests:
             return []
-        names = [(self._hash(key), _layer_field(write_id, layer)) for key, write_id, layer in requests]
+        names = [(self._hash(key), layer_field(write_id, layer)) for key, write_id, layer in requests]
         with self._io("read layers"):
             pipe = self._reader.pipeline(transaction=False)
             for name, field in names:
@@ -426,14 +186,14 @@ class RedisKVStore(KVStore):
     def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
         name = self._hash(key)
         with self._io("write a layer"):
-            self._put_layer(keys=[name], args=[_layer_field(write_id, layer), bytes(data), self.pending_ttl])
+            self._put_layer(keys=[name], args=[layer_field(write_id, layer), bytes(data), self.pending_ttl])
 
     def delete_layers(self, key: str, write_id: str, num_layers: int) -> None:
         if num_layers < 1:
             return
         name = self._hash(key)
         with self._io("delete layers"):
-            self._client.hdel(name, *(_layer_field(write_id, layer) for layer in range(num_layers)))
+            self._client.hdel(name, *(layer_field(write_id, layer) for layer in range(num_layers)))
 
     # ------------------------------------------------------------ manifests
     def get_manifest(self, key: str) -> bytes | None:
@@ -452,11 +212,11 @@ class RedisKVStore(KVStore):
     @staticmethod
     def _answers(replies: list[Any]) -> list[Any]:
         """Pipelined replies, with a key of the wrong type as a :class:`CorruptEntryError` for that chunk
-        alone (:func:`_wrong_type`); any other error raises."""
+        alone (:func:`~cacheblend_rag.store.redis_layout.corrupt_if_wrong_type`); any other error raises."""
         out = []
         for reply in replies:
             if isinstance(reply, Exception):
-                reply = _wrong_type(reply)
+                reply = corrupt_if_wrong_type(reply)
             out.append(reply)
         return out
 
@@ -477,7 +237,7 @@ class RedisKVStore(KVStore):
             try:
                 return bool(self._reader.hexists(name, MANIFEST_FIELD))
             except redis.exceptions.ResponseError as exc:
-                raise _wrong_type(exc) from None
+                raise corrupt_if_wrong_type(exc) from None
 
     def delete(self, key: str) -> bool:
         name = self._hash(key)
