@@ -16,11 +16,12 @@ none (``auto``, ``float32``, ``bfloat16``, ``float16``).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import logging
 import os
 import platform
-import time
+import timeit
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -190,7 +191,8 @@ def _read_probe_file(path: Path) -> dict[str, Any]:
 
 def probe_matmul(width: int, rows: int = PROBE_ROWS, repeats: int = 3) -> tuple[float, float]:
     """The best of ``repeats`` timings, in seconds, of ``[rows x width] @ [width x 4*width]`` (a prefill's
-    MLP up-projection) in float32 and in bfloat16, each after one untimed call that pays the kernel setup."""
+    MLP up-projection) in float32 and in bfloat16, each after one untimed call that pays the kernel setup
+    (``timeit.repeat``: garbage collection is off while it times)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(rows, width, generator=generator)
     b = torch.randn(width, 4 * width, generator=generator)
@@ -199,10 +201,6 @@ def probe_matmul(width: int, rows: int = PROBE_ROWS, repeats: int = 3) -> tuple[
         for dtype in (torch.float32, torch.bfloat16):
             x, y = a.to(dtype), b.to(dtype)
             torch.matmul(x, y)
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                torch.matmul(x, y)
-                times.append(time.perf_counter() - started)
+            times = timeit.repeat(functools.partial(torch.matmul, x, y), repeat=repeats, number=1)
             best.append(max(min(times), 1e-9))
     return best[0], best[1]
