@@ -17,10 +17,6 @@ import torch
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.models.loader import resolve_device
 
-# device_map's notes are logged under the settings module's name, where they were before these
-# helpers had a module of their own, so that log filters set for it keep working.
-logger = logging.getLogger("cacheblend_rag.serving.settings")
-
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
 BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 
@@ -54,11 +50,12 @@ _GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", 
                     "seed", "min_new_tokens"}
 
 
-def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str) -> dict[str, Any]:
+def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str,
+                           logger: logging.Logger) -> dict[str, Any]:
     """``HuggingFaceLLM``/``ChatHuggingFace`` arguments as this package's fields: ``model_name`` and
     ``model_id`` are ``model``, ``torch_dtype`` is ``dtype``, a one-device ``device_map`` is ``device``,
     ``generate_kwargs``/``pipeline_kwargs`` are the sampling fields. What cannot be honoured is an error
-    saying what to use."""
+    saying what to use. The device ``device_map="auto"`` maps to is said in ``logger`` (the caller's)."""
     for alias in ("model_name", "model_id"):
         if alias in values:
             name = values.pop(alias)
@@ -69,7 +66,7 @@ def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field:
         dtype = values.pop("torch_dtype")
         values.setdefault("dtype", str(dtype).removeprefix("torch.") if dtype is not None else None)
     if "device_map" in values:
-        values.setdefault("device", _one_device(owner, values.pop("device_map")))
+        values.setdefault("device", _one_device(owner, values.pop("device_map"), logger))
     for option in ("generate_kwargs", "pipeline_kwargs"):
         given = values.pop(option, None) or {}
         unknown = sorted(set(given) - _GENERATE_KWARGS)
@@ -86,12 +83,12 @@ def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field:
     return values
 
 
-def _one_device(owner: str, device_map: Any) -> Optional[str]:
+def _one_device(owner: str, device_map: Any, logger: logging.Logger) -> Optional[str]:
     """The one device a ``device_map`` names (``"auto"``: the best one here, said in the log)."""
     if device_map is None:
         return None
     if device_map == "auto":
-        return _auto_device(owner)
+        return _auto_device(owner, logger)
     if isinstance(device_map, dict) and len(set(device_map.values())) == 1:
         device_map = next(iter(device_map.values()))
     if isinstance(device_map, int) and not isinstance(device_map, bool):
@@ -102,7 +99,7 @@ def _one_device(owner: str, device_map: Any) -> Optional[str]:
                      "device='cuda:0' (or 'cpu'), or device_map='auto' for the best one here")
 
 
-def _auto_device(owner: str) -> str:
+def _auto_device(owner: str, logger: logging.Logger) -> str:
     """``device_map="auto"`` as the one device it maps to here; with several GPUs Hugging Face would split the
     model over them, and a blend cannot, so that case is a warning rather than a note."""
     device = str(resolve_device(None))

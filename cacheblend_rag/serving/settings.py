@@ -11,6 +11,7 @@ LlamaIndex, ``max_tokens`` in LangChain) and live in the integrations.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
@@ -42,6 +43,7 @@ from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
+logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
 # 256 MiB holds about 5,700 tokens of SmolLM2-135M's K/V in float32 (46 KB a token): the leads and
 # recent conversations of a small server. Larger models want more.
@@ -247,8 +249,8 @@ class CacheBlendSettings(BaseModel):
     def _known_arguments_only(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
-        values = hugging_face_spellings(cls.__name__, {k: v for k, v in values.items()
-                                                       if k not in cls._ignored_init_args}, cls._max_tokens_field)
+        given = {k: v for k, v in values.items() if k not in cls._ignored_init_args}
+        values = hugging_face_spellings(cls.__name__, given, cls._max_tokens_field, logger)
         allowed = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         unknown = sorted(set(values) - allowed)
         if unknown:
