@@ -125,6 +125,25 @@ def test_the_core_never_imports_a_framework(module):
     assert not frameworks, f"{module} imports {frameworks}: framework code belongs in integrations/"
 
 
+# research/: the experiments behind research/quality_notebook.md. They import the package; the package and the
+# integrations never import them (by package, by a script's module name, which they import each other by, or named
+# in a string).
+RESEARCH_SCRIPTS = {path.stem for path in (ROOT / "research").glob("*.py")}
+
+
+@pytest.mark.parametrize("module", sorted(EVERY_MODULE))
+def test_the_package_never_imports_research(module):
+    imported = {name for name in IMPORTS[module] if name.split(".")[0] in RESEARCH_SCRIPTS | {"research"}}
+    named = {node.value for node in ast.walk(ast.parse(EVERY_MODULE[module].read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and (node.value in RESEARCH_SCRIPTS or node.value.startswith("research."))}
+    assert not imported | named, f"{module} imports {sorted(imported | named)}: research code stays out of the package"
+
+
+def test_the_research_check_knows_the_research_scripts():
+    assert {"fidelity_explore", "fidelity_oracle", "speed_fidelity"} <= RESEARCH_SCRIPTS
+
+
 def _cycles(graph: dict[str, dict[str, set[str]]]) -> list[str]:
     """One loop per knot of mutually importing modules (a strongly connected component), shortest
     from its first module, as ``a -> b (type-only) -> a``: each step says how it imports, if not on

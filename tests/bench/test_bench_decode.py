@@ -8,8 +8,8 @@ from cacheblend_rag import FreshSegment
 
 
 @pytest.fixture(scope="module")
-def bench(research_module):
-    with research_module("bench_decode") as module:
+def bench(script_module):
+    with script_module("bench_decode") as module:
         yield module
 
 

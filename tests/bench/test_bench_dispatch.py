@@ -9,8 +9,8 @@ from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
 
 
 @pytest.fixture(scope="module")
-def bench(research_module):
-    with research_module("bench_dispatch") as module:
+def bench(script_module):
+    with script_module("bench_dispatch") as module:
         yield module
 
 

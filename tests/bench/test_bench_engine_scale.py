@@ -17,7 +17,7 @@ SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers
                       num_key_value_heads=3, vocab_size=49152)
 
 
-def test_shapes_match_the_hand_count_in_docs_quality():
+def test_shapes_match_the_hand_count_in_the_quality_notebook():
     qwen = LayerShapes.of(QWEN15)
     w = qwen.weights()
     assert (qwen.num_layers, qwen.head_dim) == (28, 128)
@@ -30,7 +30,7 @@ def test_shapes_match_the_hand_count_in_docs_quality():
 @pytest.mark.parametrize("config, expected, hand_units", [(QWEN15, 5.25, 5.41), (SMOLLM2, 5.22, 5.81)])
 def test_bound_at_3000_tokens_is_5_2x(config, expected, hand_units):
     bound = work_bound(LayerShapes.of(config), prompt_tokens=3000, fresh_tokens=50, ratio=0.15)
-    # docs/quality.md's hand count: 5.2x for both. It rounds the recomputed share up (r + fresh / N,
+    # research/quality_notebook.md's hand count: 5.2x for both. It rounds the recomputed share up (r + fresh / N,
     # where the engine recomputes round(r * cached) + fresh) and the last layer to 0.02 units.
     assert bound["bound"] == pytest.approx(expected, abs=0.01)
     assert abs(bound["units"] - hand_units) < 0.1
@@ -54,8 +54,8 @@ def test_bound_limits_and_the_default_choice_before_layer_zero():
 
 
 @pytest.fixture(scope="module")
-def scale_bench(research_module):
-    with research_module("bench_engine_scale") as module:
+def scale_bench(script_module):
+    with script_module("bench_engine_scale") as module:
         yield module
 
 

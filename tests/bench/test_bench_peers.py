@@ -47,10 +47,10 @@ class BrokenPeer(StubPeer):
 
 
 @pytest.fixture
-def bench(research_module, monkeypatch):
+def bench(script_module, monkeypatch):
     for cls in (StubPeer, MissingPeer, BrokenPeer):
         monkeypatch.setitem(peers_module.PEERS, cls.name, cls)
-    with research_module("bench_peers") as module:
+    with script_module("bench_peers") as module:
         yield module
 
 

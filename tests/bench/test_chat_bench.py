@@ -15,13 +15,6 @@ from cacheblend_rag.bench.conversation import chunk_separator_tokens, fresh_boun
 from cacheblend_rag.testing import tiny_tokenizer
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-QUESTIONS = [
-    ("What is the capital of France?", ["Paris"], "France", "Paris is the capital of France. The Seine flows there."),
-    ("Where does the Amazon flow into?", ["Atlantic"], "Amazon", "The Amazon river flows into the Atlantic Ocean."),
-    ("Who won two Nobel prizes?", ["Marie Curie"], "Curie", "Marie Curie won two Nobel prizes in Warsaw and Paris."),
-    ("What does the quick fox jump over?", ["the lazy dog"], "Fox", "The quick brown fox jumps over the lazy dog."),
-    ("Where was Marie Curie born?", ["Warsaw"], "Warsaw", "Marie Curie was born in Warsaw, the capital of Poland."),
-]
 
 
 def script(name: str):
@@ -30,15 +23,6 @@ def script(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
-
-
-@pytest.fixture
-def musique(tmp_path) -> Path:
-    data = [{"question": q, "answers": a, "ctxs": [{"title": t, "text": x}, {"title": "", "text": QUESTIONS[i - 1][3]}]}
-            for i, (q, a, t, x) in enumerate(QUESTIONS)]
-    path = tmp_path / "musique.json"
-    path.write_text(json.dumps(data))
-    return path
 
 
 # ------------------------------------------------------------------ the bound
@@ -63,11 +47,11 @@ def test_chunk_separators_count_only_between_found_chunks():
 
 
 # ------------------------------------------------------------------ bench_chat
-def test_bench_chat_reports_every_method_per_turn_and_the_targets(musique, tmp_path, monkeypatch, capsys):
+def test_bench_chat_reports_every_method_per_turn_and_the_targets(chat_musique, tmp_path, monkeypatch, capsys):
     bench = script("bench_chat")
     monkeypatch.setattr(bench, "SYSTEM_PROMPT", "Answer from the passages in a few words.")
     plot = tmp_path / "chat.png"
-    assert bench.main(["--model", "tiny-llama", "--data", str(musique), "--conversations", "1", "--turns", "4",
+    assert bench.main(["--model", "tiny-llama", "--data", str(chat_musique), "--conversations", "1", "--turns", "4",
                        "--passages", "2", "--max-passage-tokens", "12", "--max-new-tokens", "4",
                        "--teacher-tokens", "3", "--no-progress", "--plot", str(plot)]) == 0
     document = json.loads(capsys.readouterr().out)
@@ -90,34 +74,11 @@ def test_bench_chat_reports_every_method_per_turn_and_the_targets(musique, tmp_p
     assert plot.stat().st_size > 0
 
 
-def test_bench_chat_fidelity_gives_each_turn_its_kl_and_tokens_for_a_setting(musique, tmp_path, monkeypatch, capsys):
-    bench = script("bench_chat")
-    fidelity = script("bench_chat_fidelity")
-    monkeypatch.setattr(bench, "SYSTEM_PROMPT", "Answer from the passages in a few words.")
-    common = ["--model", "tiny-llama", "--data", str(musique), "--turns", "3", "--passages", "2",
-              "--max-passage-tokens", "24", "--max-new-tokens", "4", "--teacher-tokens", "3"]
-    out = tmp_path / "rows.jsonl"
-    rows = {}
-    for factor in (1.0, 3.0):
-        options = json.dumps({"approximate_prefix_chunk_factor": factor, "min_blend_tokens": 0})
-        rows[factor] = fidelity.run(fidelity.parse_args([*common, "--options", options, "--out", str(out)]))
-    assert len(out.read_text().splitlines()) == 6
-    for factor, turns in rows.items():
-        assert [r["turn"] for r in turns] == [1, 2, 3] and all(r["kl"] >= 0 for r in turns)
-        assert all(r["approximate_prefix_tokens"] > 0 for r in turns[1:]), turns
-    # Behind the approximate history the new passages take three times the share; turn 1 has none.
-    assert rows[3.0][0]["recomputed_tokens"] == rows[1.0][0]["recomputed_tokens"]
-    assert all(b["recomputed_tokens"] > a["recomputed_tokens"] for a, b in zip(rows[1.0][1:], rows[3.0][1:]))
-    refreshed = fidelity.run(fidelity.parse_args([*common, "--refresh", "--options", '{"min_blend_tokens": 0}']))
-    assert all(r["approximate_prefix_tokens"] == 0 and r["exact_tokens"] > 0 for r in refreshed[1:]), refreshed
-    capsys.readouterr()
-
-
-def test_bench_chat_refuses_a_conversation_past_the_context(musique, monkeypatch):
+def test_bench_chat_refuses_a_conversation_past_the_context(chat_musique, monkeypatch):
     bench = script("bench_chat")
     monkeypatch.setattr(bench, "SYSTEM_PROMPT", "word " * 5000)
     with pytest.raises(Exception, match="context"):
-        bench.main(["--model", "tiny-llama", "--data", str(musique), "--conversations", "1", "--turns", "2",
+        bench.main(["--model", "tiny-llama", "--data", str(chat_musique), "--conversations", "1", "--turns", "2",
                     "--passages", "1", "--max-new-tokens", "2", "--teacher-tokens", "1", "--no-progress"])
 
 

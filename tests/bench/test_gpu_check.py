@@ -127,8 +127,8 @@ ROWS = [{"label": "qwen-1.5b", "shape": [10, 300], "full prefill": 0.030, "Cache
          "CacheBlend@0.15 (resident)": 0.020, "default@0.15": 0.014}]
 
 
-def test_issue_58_targets_are_read_from_the_rows_timed_in_the_same_call(research_module):
-    with research_module("gpu_check") as module:
+def test_issue_58_targets_are_read_from_the_rows_timed_in_the_same_call(script_module):
+    with script_module("gpu_check") as module:
         found = {(t["model"], t["shape"], t["method"]): t for t in module.targets(ROWS)}
     assert found[("qwen-1.5b", "10 x 300", "CacheBlend@0.15")]["speedup"] == 3.0
     assert found[("qwen-1.5b", "10 x 300", "CacheBlend@0.15")]["met"] is True

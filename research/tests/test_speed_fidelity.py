@@ -1,4 +1,4 @@
-"""benchmarks/speed_fidelity.py: quality rows and measured speedups matched by setting, into a table and a PNG."""
+"""research/speed_fidelity.py: quality rows and measured speedups matched by setting, into a table and a PNG."""
 
 from __future__ import annotations
 

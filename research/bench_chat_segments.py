@@ -18,7 +18,7 @@ against full prefill of the same prompt (teacher-forced KL over full prefill's f
 
 The exact prefix (template and lead, from the prefix cache) is the same in every variant.
 
-    .venv/bin/python benchmarks/bench_chat_segments.py --conversations 6
+    .venv/bin/python research/bench_chat_segments.py --conversations 6
 """
 
 from __future__ import annotations

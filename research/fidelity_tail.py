@@ -1,8 +1,8 @@
 """The last layers recomputed for every token, for the research loop (issue 29): a blend whose budget grows
 with depth instead of shrinking.
 
-The oracles of docs/quality.md say the 1.5B model's loss sits in the late layers' stale keys (exact keys in
-layers 14-27 alone recover 74%, exact K and V there 92%), and that no choice of 15% of the tokens fixes them,
+The oracles of research/quality_notebook.md say the 1.5B model's loss sits in the late layers' stale keys (exact
+keys in layers 14-27 alone recover 74%, exact K and V there 92%), and that no choice of 15% of the tokens fixes them,
 because nearly every token's late-layer K/V depends on the other passages. CacheBlend spends its budget the
 other way round: every token in the first layers, a share after. ``tail_layers=T`` adds the opposite end:
 in the last ``T`` layers every cached token is computed again, so its late K/V see the whole prompt. A stale
@@ -26,7 +26,7 @@ import torch
 from cacheblend_rag.engine.attention import causal_attention
 from cacheblend_rag.engine.blend_run import BlendRun
 from cacheblend_rag.models.adapters import DecoderAdapter
-from fidelity_oracle import attribute_replaced  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_oracle import attribute_replaced  # noqa: E402  (research/ on sys.path)
 
 TAIL_OPTIONS = ("tail_layers", "tail_drift")
 DRIFTS = ("none", "selected", "probes")

@@ -1,5 +1,5 @@
-"""The research loop's whole-chunk selectors (benchmarks/fidelity_explore.py, docs/quality.md "Whole chunks"):
-they recompute whole chunks first, the most read (or the last), and spend what is left of the budget on
+"""The research loop's whole-chunk selectors (research/fidelity_explore.py, research/quality_notebook.md "Whole
+chunks"): they recompute whole chunks first, the most read (or the last), and spend what is left of the budget on
 single tokens outside them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from cacheblend_rag.engine import selection
 from cacheblend_rag.engine.selection import SelectionContext
 
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+RESEARCH = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture
@@ -23,12 +23,12 @@ def research():
     """The research module, imported for one test: importing it registers its strategies, which the
     engine's own tests (parametrised over every registered strategy) must not see."""
     registry = dict(selection._REGISTRY)
-    sys.path.insert(0, BENCHMARKS)
+    sys.path.insert(0, RESEARCH)
     try:
         import fidelity_explore
         yield fidelity_explore
     finally:
-        sys.path.remove(BENCHMARKS)
+        sys.path.remove(RESEARCH)
         sys.modules.pop("fidelity_explore", None)
         selection._REGISTRY.clear()
         selection._REGISTRY.update(registry)

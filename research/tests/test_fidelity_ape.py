@@ -1,4 +1,4 @@
-"""APE's attention as the research loop uses it (benchmarks/fidelity_ape.py): at temperature and scale 1
+"""APE's attention as the research loop uses it (research/fidelity_ape.py): at temperature and scale 1
 it is exact attention, and otherwise it moves mass only between the context keys and the rest."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
-sys.path.insert(0, BENCHMARKS)
+RESEARCH = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, RESEARCH)
 try:
     from fidelity_ape import ApeSetting, ape_attention
 finally:
-    sys.path.remove(BENCHMARKS)
+    sys.path.remove(RESEARCH)
 
 
 def _inputs(rows: int = 5, n: int = 12):

@@ -10,7 +10,7 @@ bench there is no warm-up and no other method on the engine, so turn 1 finds no 
 ``--refresh`` also runs each turn through a ratio-1.0 LLM on the same caches after the timed one, so
 the next turn finds the history as exact blocks: what an exact history would give.
 
-    .venv/bin/python benchmarks/bench_chat_fidelity.py --conversation 0 \\
+    .venv/bin/python research/bench_chat_fidelity.py --conversation 0 \\
         --options '{"approximate_prefix_chunk_factor": 1.0}' --out results/chat_fidelity.jsonl
 """
 
@@ -25,7 +25,6 @@ from typing import Any, Sequence
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.cacheblend import CacheBlendLLM
 
-import bench_chat as bc  # beside this file: python puts the script's folder first on sys.path
 from cacheblend_rag.bench.metrics import token_kl, top1_agreement
 from cacheblend_rag.bench.prompt import load_musique
 from cacheblend_rag.engine.generate import eos_token_ids
@@ -33,6 +32,11 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.prompting import default_conditioning_prefix
 from cacheblend_rag.serving import shared_engine, slot_for
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))  # the conversation is the benchmark's own
+import bench_chat as bc  # noqa: E402  (benchmarks/bench_chat.py)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

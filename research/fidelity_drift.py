@@ -8,7 +8,7 @@ alone (or behind the default's conditioning prefix) are compared, layer by layer
 - ``from chosen``: the same, for the tokens a 15% CacheBlend selection (V deviation at layer 1) does not
   recompute, when the mean is taken over the tokens it does: what a blend could correct with what it computes.
 
-    python benchmarks/fidelity_drift.py --model qwen2.5-coder-1.5b --questions 5,8,11,13 [--out drift.json]
+    python research/fidelity_drift.py --model qwen2.5-coder-1.5b --questions 5,8,11,13 [--out drift.json]
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ and (``+dev``) its key's change at CacheBlend's check layer, where every token i
 and float32 chunk store), saved as safetensors. ``fit``: leave one question out, the share of the held-out
 stale keys' squared error each map explains, per layer, beside the per-chunk mean's (the ``k_shift`` oracle).
 
-    python benchmarks/fidelity_keymap.py collect --cache results/fidelity_cache --out results/keymap
-    python benchmarks/fidelity_keymap.py fit results/keymap --save results/keymap/fits
-    python benchmarks/fidelity_explore.py run --methods "kv_deviation@0.15;keymap=key" ...  # from benchmarks/
+    python research/fidelity_keymap.py collect --cache results/fidelity_cache --out results/keymap
+    python research/fidelity_keymap.py fit results/keymap --save results/keymap/fits
+    python research/fidelity_explore.py run --methods "kv_deviation@0.15;keymap=key" ...  # from research/
 
-What it found (docs/quality.md, "A learned key map"): held out, the maps explain 36-47% of the stale keys'
-squared error (a constant per layer and head 36%, the per-chunk mean as an oracle 59%), and in a blend they
+What it found (research/quality_notebook.md, "A learned key map"): held out, the maps explain 36-47% of the stale
+keys' squared error (a constant per layer and head 36%, the per-chunk mean as an oracle 59%), and in a blend they
 make the answer worse (question 5: KL 0.389 -> 1.14 with the key map). Not adopted.
 """
 
@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cacheblend_rag.engine.blend_run import BlendRun
-from fidelity_oracle import attribute_replaced, chunk_means  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_oracle import attribute_replaced, chunk_means  # noqa: E402  (research/ on sys.path)
 
 FEATURES = ("key", "key+dev", "dev", "bias")
 CHECK_LAYER = 1  # CacheBlend's, where a blend computes every token: the ``dev`` feature's layer

@@ -7,9 +7,11 @@ deterministic), the speed runs are short and need a quiet machine. Methods are m
 ``default@R`` read as ``query_profiled@R``. A method in several speed files takes the last file's speedup (each
 speedup is a ratio within its own run, so runs on different days stay comparable).
 
-    python benchmarks/speed_fidelity.py --quality docs/quality_1p5b_t300.json docs/quality_1p5b_t300_ratio03.json \\
-        --speed docs/engine_scale_ratio_1p5b.json docs/engine_scale_default_probes_1p5b.json \\
-        --plot docs/fidelity_t300_speed_1p5b.png --title "Qwen2.5-Coder-1.5B, 29 questions, 300-token passages"
+    python research/speed_fidelity.py \\
+        --quality research/data/quality_1p5b_t300.json research/data/quality_1p5b_t300_ratio03.json \\
+        --speed research/data/engine_scale_ratio_1p5b.json research/data/engine_scale_default_probes_1p5b.json \\
+        --plot research/figures/fidelity_t300_speed_1p5b.png \\
+        --title "Qwen2.5-Coder-1.5B, 29 questions, 300-token passages"
 """
 
 from __future__ import annotations

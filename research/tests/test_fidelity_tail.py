@@ -1,5 +1,5 @@
-"""The research loop's tail recompute (benchmarks/fidelity_tail.py, docs/quality.md "The last layers for every
-token"): recomputing every layer for every token is full prefill, the layers before the tail are the plain
+"""The research loop's tail recompute (research/fidelity_tail.py, research/quality_notebook.md "The last layers
+for every token"): recomputing every layer for every token is full prefill, the layers before the tail are the plain
 blend's, and in the tail no cached entry is stale."""
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ reliability: the cosine ``r`` between the means of its even and odd probes, step
 ``cap`` (each group's mean per KV head no longer than 1.5 times the median length of every group's in that
 layer: a trust region against the one chunk whose estimate runs away).
 ``probe_offset`` places each chunk's first probe that many tokens in (the engine: half the stride), to see how
-much the probes' placement alone moves a result. Estimates finer than a group's mean (docs/quality.md, "Estimates of
-the shift beyond the probes' mean"): ``shift_kernel`` (a similarity-weighted mean of the group's probes),
+much the probes' placement alone moves a result. Estimates finer than a group's mean
+(research/quality_notebook.md, "Estimates of the shift beyond the probes' mean"): ``shift_kernel`` (a similarity-weighted mean of the group's probes),
 ``shift_slope`` (the mean plus a slope pooled over the prompt; ``shift_slope_on=position|logposition`` on the
 token's offset in its chunk), ``shift_poskernel`` (the probes weighted by how near they sit to the token in its
 chunk; "Where the shipped setting's probes fall") and ``deviation_residual`` (the deviation selector

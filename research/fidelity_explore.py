@@ -10,14 +10,15 @@ entry is reported and computed again) and never unpickle. A method then costs on
 --reference-cache --store disk:PATH --resume` does for the package's methods, with the chunk
 variants and per-layer stale-K/V distances this research needed.
 
-``report``: the table of docs/quality.md ("Where fidelity goes at 1.5B") from the JSONL: KL per question
-and method, recovery of full reuse's KL, questions worse than full reuse; and the speed-fidelity plot,
+``report``: the table of research/quality_notebook.md ("Where fidelity goes at 1.5B") from the JSONL: KL per
+question and method, recovery of full reuse's KL, questions worse than full reuse; and the speed-fidelity plot,
 each method's recovery against its TTFT speedup at 3,043 tokens, estimated as its work bound
 (:mod:`cacheblend_rag.bench.bound`) times the share of its bound that the engine reached when measured
-(docs/quality.md, "Speed at 3,000 tokens on the 1.5B model").
+(research/quality_notebook.md, "Speed at 3,000 tokens on the 1.5B model").
 
-    python benchmarks/fidelity_explore.py run --methods "kv_deviation@0.15,query_profiled+prefix@0.15"
-    python benchmarks/fidelity_explore.py report docs/fidelity_1p5b.jsonl --plot docs/fidelity_1p5b_speed.png
+    python research/fidelity_explore.py run --methods "kv_deviation@0.15,query_profiled+prefix@0.15"
+    python research/fidelity_explore.py report research/data/fidelity_1p5b.jsonl \\
+        --plot research/figures/fidelity_1p5b_speed.png
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment
 from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, SelectionNeeds, SelectionStrategy,
                                              register_strategy, top_indices)
 
-from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_ape import ApeSetting, ape_blend, ape_teacher_forcing  # noqa: E402  (research/ on sys.path)
 from fidelity_keymap import KEYMAP_OPTIONS, keymap_blend  # noqa: E402
 from fidelity_neighbors import NeighbourIndex  # noqa: E402
 from fidelity_tail import TAIL_OPTIONS, chunk_hidden_states, tail_blend  # noqa: E402
@@ -443,7 +444,7 @@ def run(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------------------- report
 # Share of its work bound each kind of blend reached when timed at 3,043 tokens on the 1.5B model,
-# chunk KV from the disk store (docs/quality.md, "Speed at 3,000 tokens on the 1.5B model": plain
+# chunk KV from the disk store (research/quality_notebook.md, "Speed at 3,000 tokens on the 1.5B model": plain
 # CacheBlend 4.74x of 5.30x, the profiled default 4.32x of 6.18x). Full reuse: 26.1x measured.
 MEASURED_SHARE_OF_BOUND = {"deviation": 0.89, "profiled": 0.70}
 FULL_REUSE_SPEEDUP = 26.1

@@ -1,5 +1,5 @@
-"""The research loop's oracle corrections and local key correction (benchmarks/fidelity_oracle.py,
-docs/quality.md "Where the 1.5B model's loss sits"): an exact oracle turns any blend into full prefill,
+"""The research loop's oracle corrections and local key correction (research/fidelity_oracle.py,
+research/quality_notebook.md "Where the 1.5B model's loss sits"): an exact oracle turns any blend into full prefill,
 a partial one touches only what it names, and the local estimate with an infinite width is the engine's
 per-chunk mean."""
 

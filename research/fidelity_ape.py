@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface
 
 from cacheblend_rag.engine import attention as engine_attention
-from fidelity_oracle import attribute_replaced  # noqa: E402  (benchmarks/ on sys.path)
+from fidelity_oracle import attribute_replaced  # noqa: E402  (research/ on sys.path)
 
 _STATE: dict[str, Any] = {}
 _NAME = "ape_research"

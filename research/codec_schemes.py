@@ -12,7 +12,7 @@ error) and at 0.15 (the default selection), against full prefill's next-token di
 
 Also the relative reconstruction error of K and V (Frobenius norm of the error over the norm).
 
-    .venv/bin/python benchmarks/codec_schemes.py --n 10
+    .venv/bin/python research/codec_schemes.py --n 10
 """
 
 from __future__ import annotations
