@@ -8,7 +8,7 @@ initialised models with the real layer count, heads and head size of SmolLM2-135
 Qwen2.5-1.5B, at MuSiQue's 10 passages of 300 tokens. Widths are shrunk (hidden size 128, a
 small vocabulary), which changes no count and makes a run take seconds.
 
-    .venv/bin/python benchmarks/bench_dispatch.py --out docs/dispatch_counts.json
+    .venv/bin/python benchmarks/bench_dispatch.py --out docs/data/dispatch_counts.json
 
 No timing, so the machine may be busy. A method's ratio to full prefill's count, times full
 prefill's GPU time where launches dominate, is a rough floor for its GPU time.

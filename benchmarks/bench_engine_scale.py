@@ -27,7 +27,7 @@ changes the values, not the work).
 
     .venv/bin/python benchmarks/bench_engine_scale.py --model qwen2.5-coder-1.5b \\
         --chunks 10 --chunk-tokens 300 --store disk --repeats 3 --out results/engine_scale_qwen15.json \\
-        --plot docs/engine_scale_qwen15.png
+        --plot research/figures/engine_scale_qwen15.png
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--busy-check", action="store_true")
     parser.add_argument("--busy-repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("docs/serving.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/data/serving.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/serving_ttft_vs_rate.png"))
     args = parser.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",") if c]

@@ -1,7 +1,7 @@
 """Plot a ``gpu_check`` report: TTFT speedup over full prefill per model shape and prompt length, each method
 with its chunk KV in GPU memory, in the host-memory tier and in a disk store read every time.
 
-    python benchmarks/gpu_plot.py docs/gpu_check_h200_run3.json docs/gpu_speed_h200.png
+    python benchmarks/gpu_plot.py docs/data/gpu_check_h200_run3.json docs/gpu_speed_h200.png
 """
 
 from __future__ import annotations
