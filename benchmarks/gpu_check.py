@@ -65,8 +65,8 @@ METHODS = {
     "default@0.3": BlendConfig(recompute_ratio=0.3),
     "default@0.5": BlendConfig(recompute_ratio=0.5),
 }
-# Prompt shapes (chunks x tokens per chunk): MuSiQue's 10 passages at 300 tokens (docs/quality.md's
-# 300-token table), the paper-like 8 x 512, and a long 32 x 512 (~16k tokens) on the 1B-class models.
+# Prompt shapes (chunks x tokens per chunk): MuSiQue's 10 passages at 300 tokens (the 300-token
+# table of research/quality_notebook.md), the paper-like 8 x 512, and a long 32 x 512 (~16k tokens) on the 1B-class models.
 SHAPES = [(10, 300), (8, 512)]
 LONG_SHAPE = (32, 512)
 # A Llama-3.2-1B-shaped model: 16 layers, hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192.

@@ -46,7 +46,7 @@ class BlendConfig:
         computed behind other passages, so it deviates more than a chunk's. ``None`` pools them
         with the chunks under ``recompute_ratio``. At ``recompute_ratio`` 1.0 or 0 it is not used
         (every token recomputed, exact; full reuse). Default 0.35, measured with
-        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations").
+        ``benchmarks/bench_chat.py`` (research/quality_notebook.md, "Conversations").
     approximate_prefix_recompute_ratio:
         Share of an *approximate prefix's* tokens recomputed (the prefix cache's approximate blocks:
         an earlier blend's K/V, a chat's earlier turns, ``PrefixSegment.approximate_tokens``): their
@@ -58,7 +58,8 @@ class BlendConfig:
         outside the budget (cheapest; the turn reads stale K/V); ``None`` pools them with the chunks
         under ``recompute_ratio``. At ``recompute_ratio`` 0 they are reused as is; at 1.0 recomputed
         (a server never serves approximate blocks there). Default 0 (as is), measured with
-        ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations: an approximate prefix's share"):
+        ``benchmarks/bench_chat.py`` (research/quality_notebook.md, "Conversations: an approximate prefix's
+        share"):
         on one SmolLM2 conversation 0.1 and 0.15 lowered turn-4 KL against full prefill by 1-1.5% only
         (0.092 to 0.091), raised turns 2-3's, and recomputed 3-4x the tokens; neither met "no worse than
         blending alone" (0.034).
@@ -68,8 +69,8 @@ class BlendConfig:
         (at most 1.0). Blending such a prompt anew would give the history's passages their share of the
         budget too, and spend much of it where the current question reads, in its own passages; reused as
         is, the history takes none, so the new passages get it. Default 3.0 (0.45 at the default 0.15),
-        measured with ``benchmarks/bench_chat.py`` (docs/quality.md, "Conversations: the new passages'
-        share"): on two SmolLM2 conversations turn-4 KL against full prefill was 0.082/0.153 at 1.0,
+        measured with ``benchmarks/bench_chat.py`` (research/quality_notebook.md, "Conversations: the new
+        passages' share"): on two SmolLM2 conversations turn-4 KL against full prefill was 0.082/0.153 at 1.0,
         0.042/0.050 at 2.5 and 0.031/0.045 at 3.0, against blending alone's 0.034/0.049 (600 tokens
         recomputed there to 3.0's 450); on a quiet machine 3.0 reached turn 4's first token 1.95x
         faster than blending alone and 3.73x faster than full prefill (3.66x and 6.70x before, at 1.0
@@ -94,13 +95,13 @@ class BlendConfig:
     profile_layers:
         How many of the first layers ``query_profiled``'s full-reuse pass runs (and scores the
         question's attention in). ``None``: every layer. Fewer make the pass cheaper and the
-        choice worse (measured in docs/quality.md).
+        choice worse (measured in research/quality_notebook.md).
     profile_tokens:
         How many of the question's last tokens (the last fresh segment) ``query_profiled``'s pass
         runs; the earlier ones are left out of the pass (the blend still computes them all).
         ``None``: the whole segment. On RAG prompts that segment opens with a fixed instruction
-        that tells the pass little; what 16 saves and costs is measured in docs/quality.md
-        ("Cutting the profile's cost").
+        that tells the pass little; what 16 saves and costs is measured in
+        research/quality_notebook.md ("Cutting the profile's cost").
     stale_key_correction:
         After the chosen tokens are recomputed in a layer, every key of their chunk moves by this
         share of the mean change (taken before RoPE) that the chunk's recomputed keys saw; the
@@ -108,7 +109,7 @@ class BlendConfig:
         against full prefill (44-66% of it in layers 3-27 of Qwen2.5-Coder-1.5B, 21-44% on SmolLM2),
         and its recomputed tokens show part of it (their selection overstates it: 0.5 did better
         than 1 at 1.5B). ``0`` (default): stale keys as stored; ``1``: the whole mean change.
-        Measured in docs/quality.md ("Stale key correction"); values are left as stored unless
+        Measured in research/quality_notebook.md ("Stale key correction"); values are left as stored unless
         ``stale_value_correction`` moves them.
     stale_value_correction:
         The same for values: every stale value of a chunk moves by this share of the mean change its
@@ -124,7 +125,7 @@ class BlendConfig:
         Qwen2.5-Coder-1.5B with both corrections at 1, 10 recovers 63% of full reuse's KL at 0.2 on 13
         questions wherever the probes fall (20: 52-72% by placement), against plain CacheBlend's 29%;
         at 300-token passages it ties the default over 29 questions and loses on the 16 it was not
-        developed on (docs/quality.md, "Probe tokens" and after); at 0.3 it recovers 75-78% on those 13
+        developed on (research/quality_notebook.md, "Probe tokens" and after); at 0.3 it recovers 75-78% on those 13
         questions but 50% on held-out 300-token ones. On ``query_profiled`` with chunks computed alone it
         recovers 70.5% at 0.2 over all 29 300-token questions (the built-in default 45%), the setting
         shipped for that model (docs/quality.md, "Calibrating a model"). A budget smaller than the
@@ -144,8 +145,8 @@ class BlendConfig:
         slower there): on short prompts a blend's fixed costs (the profile pass, the store reads)
         outweigh what reuse saves. The stats say so (``mode="full_prefill"``,
         ``fallback_reason``). ``0`` always blends; ``None`` (default) takes the engine's
-        ``min_blend_tokens``, measured by ``benchmarks/bench_short_prompts.py`` (docs/quality.md,
-        "Short prompts").
+        ``min_blend_tokens``, measured by ``benchmarks/bench_short_prompts.py``
+        (research/quality_notebook.md, "Short prompts").
     """
 
     recompute_ratio: float = 0.15

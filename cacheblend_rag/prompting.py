@@ -36,7 +36,7 @@ def chunk_texts(texts: Iterable[str]) -> list[str]:
 # chunks follow another passage; computed behind the lead alone, every chunk is computed as if it
 # came first, and the attention it would pay earlier passages lands on the lead instead. The
 # stand-in gives it somewhere to go. On MuSiQue this roughly halved full reuse's error and lifted
-# CacheBlend's recovery by a further 5-10 points (docs/quality.md). The text is ours, written for
+# CacheBlend's recovery by a further 5-10 points (research/quality_notebook.md). The text is ours, written for
 # this purpose: plain encyclopedic prose, like the passages a RAG prompt carries.
 STAND_IN_PASSAGE = (
     "Harrow Vale\n\nHarrow Vale is a small market town in the north of the county, on the east bank of the "

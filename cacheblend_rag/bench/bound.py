@@ -1,5 +1,5 @@
 """The work bound of a blend: the TTFT speedup over full prefill it could reach if time followed
-the tokens each layer computes, worked out from a model's shapes (docs/quality.md, "Not run
+the tokens each layer computes, worked out from a model's shapes (research/quality_notebook.md, "Not run
 (time), and the work bound at this model's shapes").
 
 A layer's work is counted as proportional to the tokens it computes, weighted by the weights
@@ -16,8 +16,8 @@ engine runs it (:mod:`cacheblend_rag.engine.blend_run`):
 * a choice before layer 0 (the default, ``query_profiled``): a profile pass of the question's
   last ``profile_tokens`` through every layer, then ``s`` in every layer but the last.
 
-The hand count of docs/performance.md and docs/quality.md takes ``s = r + fresh / N`` and about 0.02 for the
-last layer (5.41 units, 5.2x, for Qwen2.5-1.5B at 3,000 tokens); counted as here it is 5.33
+The hand count of docs/performance.md and research/quality_notebook.md takes ``s = r + fresh / N`` and about
+0.02 for the last layer (5.41 units, 5.2x, for Qwen2.5-1.5B at 3,000 tokens); counted as here it is 5.33
 units, 5.25x: the same bound to two digits.
 """
 

@@ -168,7 +168,8 @@ def choose(full_reuse: CandidateOutcome, rows: Sequence[CandidateOutcome], targe
         # The target's "never worse than full reuse" is the user's floor on every prompt, so the settings that
         # hold it come first; among them (or among all, if none does) the lowest KL. A lower mean KL bought by
         # making a prompt worse is no better by the user's own measure, and on a handful of prompts the mean's
-        # differences are mostly noise (docs/quality.md, "The calibrated setting at 300-token passages").
+        # differences are mostly noise (research/quality_notebook.md, "The calibrated setting at 300-token
+        # passages").
         safe = [r for r in within if r.worse_than_full_reuse <= target.allow_worse]
         chosen = min(safe or within, key=lambda r: (*answers_rank(r), r.kl, r.worse_than_full_reuse, r.cost))
         rule = ", then ".join((["most identical answers"] if target.min_identical_answers is not None else []) +

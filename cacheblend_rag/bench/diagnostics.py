@@ -1,6 +1,6 @@
 """Where a blend goes wrong, per question and method (``cacheblend-rag bench --diagnostics``).
 
-Definitions (docs/quality.md, "Diagnostics"):
+Definitions (research/quality_notebook.md, "Diagnostics"):
 
 * **KL by position**: KL(full prefill || method) at each teacher-forced answer position, in nats
   (the run's ``kl`` is its mean).

@@ -45,7 +45,7 @@ from cacheblend_rag.models.fingerprint import (WeightsStamp, model_fingerprint, 
 logger = logging.getLogger(__name__)
 
 # Fewer cached tokens than this and a blend is no faster than full prefill: SmolLM2-135M on a
-# 2-core CPU broke even at about 100 (benchmarks/bench_short_prompts.py, docs/quality.md "Short
+# 2-core CPU broke even at about 100 (benchmarks/bench_short_prompts.py, research/quality_notebook.md "Short
 # prompts"). Full prefill is exact, so the rounding is up.
 DEFAULT_MIN_BLEND_TOKENS = 128
 

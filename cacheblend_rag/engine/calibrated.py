@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_DIR_ENV = "CACHEBLEND_CALIBRATION_DIR"
 # Whether the integrations compute chunk KV behind the prompt's lead when neither the user nor a
-# calibration says (measured better than alone, docs/quality.md); the bench's ``default`` method too.
+# calibration says (measured better than alone, research/quality_notebook.md); the bench's ``default`` method too.
 DEFAULT_CONDITION_CHUNKS = True
 FORMAT = "cacheblend-rag-calibration"
 VERSION = 1  # "device" was added within version 1: a document without it reads as before (LEGACY_DEVICE)

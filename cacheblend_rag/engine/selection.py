@@ -236,7 +236,7 @@ class QueryProfiled(SelectionStrategy):
     compute, about the cost of full reuse) records the attention the question pays every cached
     token in every layer and head; the tokens it leans on most are recomputed from layer 0.
     Needs no full check layer. Its measured cost and quality against plain CacheBlend:
-    docs/quality.md, "What it costs" and "Cutting the profile's cost"."""
+    research/quality_notebook.md, "What it costs" and "Cutting the profile's cost"."""
 
     name: ClassVar[str] = "query_profiled"
     profile_layers: int | None = None

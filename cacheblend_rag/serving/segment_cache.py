@@ -26,7 +26,7 @@ computed behind other passages. Measured with ``benchmarks/bench_chat.py``'s con
 SmolLM2, where the 28-token MuSiQue instruction after each turn's passages was the one span served:
 not serving it lowered KL against full prefill at turns 2, 3 and 4 from 0.068, 0.079 and 0.191 to
 0.042, 0.043 and 0.153 on one conversation, for 28 more fresh tokens a turn
-(docs/quality.md, "Conversations: the new passages' share").
+(research/quality_notebook.md, "Conversations: the new passages' share").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ The grouping follows KIVI (keys quantized per channel, values per token): a few 
 the keys carry most of their magnitude, consistently across tokens, so one scale per channel
 fits them, while values have no such channels. Keys are stored before RoPE, as always: a
 per-channel scale before the rotation is the same scale for every position the chunk may be
-placed at. Measured alternatives are in docs/quality.md ("Compressed chunk KV").
+placed at. Measured alternatives are in research/quality_notebook.md ("Compressed chunk KV").
 
 Decoding is two steps, so that quantized bytes can cross to a GPU before they are expanded:
 :meth:`Codec.unpack` makes tensors over the payload bytes (no copy), and

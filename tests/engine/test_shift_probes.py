@@ -146,7 +146,7 @@ def test_a_window_as_wide_as_the_chunk_is_the_chunk_and_narrower_windows_shift_a
 def test_a_budget_below_the_probes_drops_them_and_the_corrections(blend_inputs, selection):
     engine, segments = blend_inputs
     # Every other token a probe: more probes than a 0.2 budget holds. Too few probes estimate the shifts worse
-    # than none (docs/quality.md), so the blend is the strategy's alone, uncorrected.
+    # than none (research/quality_notebook.md), so the blend is the strategy's alone, uncorrected.
     probed = BlendConfig(recompute_ratio=0.2, selection=selection, gate=False, shift_probe_stride=2,
                          stale_key_correction=1.0, stale_value_correction=1.0)
     result = engine.blend(segments, config=probed)
