@@ -41,7 +41,7 @@ from cacheblend_rag.serving.registry import scheduler_for
 from cacheblend_rag.serving.scheduler import RequestHandle
 from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, WarmSummary
-from cacheblend_rag.store.chunk_cache import with_progress
+from cacheblend_rag.store.chunk_warm import with_progress
 
 logger = logging.getLogger(__name__)
 

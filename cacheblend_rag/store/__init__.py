@@ -5,7 +5,8 @@ integrations talk to) and :func:`open_store`.
 """
 
 from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.chunk_cache import ChunkCache, WarmSummary
+from cacheblend_rag.store.chunk_cache import ChunkCache
+from cacheblend_rag.store.chunk_warm import WarmSummary
 from cacheblend_rag.store.disk import DiskKVStore
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store, parse_size, register_store_scheme

@@ -31,6 +31,11 @@ Authenticated mode: with ``auth_key`` (or ``$CACHEBLEND_STORE_KEY``) every value
 HMAC-SHA256 instead of a checksum, and entries without a valid MAC are not used. The key is
 never stored. Turn it on when writers you do not trust share the store (several applications
 or tenants on one Redis, a shared disk).
+
+This module holds the cache itself: its construction, serving a blend, what a failure does, the
+background writer and the admin calls. An entry's reads and writes are in
+:mod:`~cacheblend_rag.store.chunk_io`, precomputing chunks (:meth:`ChunkCache.warm`) in
+:mod:`~cacheblend_rag.store.chunk_warm`.
 """
 
 from __future__ import annotations
@@ -40,29 +45,27 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generator, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_for_name, codec_named, float_codec
+from cacheblend_rag.store.chunk_io import ChunkStoreIO
+from cacheblend_rag.store.chunk_warm import ChunkWarming, WarmSummary
+from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_for_name, codec_named
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
-from cacheblend_rag.store.format import Manifest, Tagger, UnauthenticatedReaderError, encode_layer, encode_manifest, value_digest
-from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.format import Manifest, Tagger
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
 
 logger = logging.getLogger(__name__)
 
-_FLOAT16_MAX = 65504.0
 _WARN_INTERVAL_S = 60.0
 STORE_KEY_ENV = "CACHEBLEND_STORE_KEY"
 
@@ -79,31 +82,7 @@ def store_key(auth_key: bytes | str | None) -> bytes | None:
     return raw
 
 
-@dataclass
-class WarmSummary:
-    new: int = 0  # chunks computed and written by this call
-    present: int = 0  # chunks already in the store (or written meanwhile by another process)
-    bytes_written: int = 0
-    failed: int = 0  # chunks computed but not written because the store failed
-    computed: list[tuple[int, ...]] = field(default_factory=list)  # token ids of the chunks counted in ``new``
-
-
-def with_progress(
-    steps: Generator[tuple[int, int], None, WarmSummary], show_progress: bool
-) -> Generator[None, None, WarmSummary]:
-    """:meth:`ChunkCache.warm_steps` with a progress bar, step for step."""
-    with tqdm(desc="precompute chunk KV", unit="chunk", disable=not show_progress) as bar:
-        while True:
-            try:
-                todo, done = next(steps)
-            except StopIteration as finished:
-                return finished.value
-            bar.total = todo
-            bar.update(done - bar.n)
-            yield
-
-
-class ChunkCache:
+class ChunkCache(ChunkWarming, ChunkStoreIO):
     """Chunk KV in a :class:`KVStore` for one engine.
 
     ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: an unbounded
@@ -156,65 +135,7 @@ class ChunkCache:
         self._last_warning: dict[str, float] = {}
         self._warned_unauthenticated = False
 
-    # ----------------------------------------------------------------- keys
-    def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None, *,
-                fingerprint: str | None = None) -> str:
-        """The store key of a chunk; pass ``fingerprint`` when keying many chunks of one request."""
-        prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
-        tag = self.codec.tag if self.codec is not None else ""
-        return chunk_key(fingerprint or (engine or self.engine).fingerprint, token_ids, prefix, codec_tag=tag)
-
-    def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, *,
-                 fingerprint: str | None = None) -> bool:
-        key = self.key_for(token_ids, prefix_ids, fingerprint=fingerprint)
-        try:
-            return self.store.contains(key)
-        except CorruptEntryError as exc:  # a foreign value under the key: not a chunk, and in the way
-            self._discard(key, exc)
-            return False
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
-            return False
-
-    def _ids(self, item: str | Sequence[int], what: str = "the chunk") -> tuple[int, ...]:
-        return tuple(self.engine.tokenize(item, what=what)) if isinstance(item, str) else tuple(int(t) for t in item)
-
-    # ---------------------------------------------------------------- reads
-    def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
-        if not keys:
-            return []
-        try:
-            return list(self.store.get_manifests(keys))
-        except CorruptEntryError:
-            pass  # one value the backend refused to load (say, a pickle); find out which
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
-            return [None] * len(keys)
-        out: list[bytes | CorruptEntryError | None] = []
-        for key in keys:
-            try:
-                out.append(self.store.get_manifest(key))
-            except CorruptEntryError as exc:
-                out.append(exc)
-            except (StoreError, OSError) as exc:
-                self._warn("read", exc)
-                out.append(None)
-        return out
-
-    def _valid_manifest(self, key: str, data: Any, num_tokens: int) -> Manifest | None:
-        """The manifest if it passes :class:`EntryRules`; a damaged one is removed and counted."""
-        if data is None:
-            return None
-        try:
-            if isinstance(data, CorruptEntryError):
-                raise data
-            return self.rules.manifest(data, key, num_tokens)
-        except UnauthenticatedReaderError as exc:
-            self._skip_unauthenticated(exc)
-        except CorruptEntryError as exc:
-            self._discard(key, exc)
-        return None
-
+    # ------------------------------------------------------------- failures
     def _skip_unauthenticated(self, exc: CorruptEntryError) -> None:
         # Written by replicas that have the store key: not ours to use, and not damage to delete.
         if not self._warned_unauthenticated:
@@ -239,41 +160,20 @@ class ChunkCache:
     def _warn_corrupt(self, key: str, reason: str) -> None:
         logger.warning("corrupt KV store entry %s... (%s); deleting it, the chunk is recomputed", key[:12], reason)
 
-    def load(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None) -> ChunkKV | None:
-        """The whole stored chunk in the engine's dtype, or ``None`` if absent (or found damaged)."""
-        prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
-        ids = tuple(int(t) for t in token_ids)
-        key = self.key_for(ids, prefix)
-        manifest = self._valid_manifest(key, self._fetch_manifests([key])[0], len(ids))
-        if manifest is None:
-            return None
-        layers = self._read_layers(key, manifest, range(manifest.num_layers))
-        if layers is None:
-            return None
-        keys = [k.to(self.engine.device, copy=True) for k, _ in layers]
-        values = [v.to(self.engine.device, copy=True) for _, v in layers]
-        return ChunkKV(ids, keys, values, prefix, self.engine.fingerprint)
+    def _warn(self, what: str, exc: BaseException) -> None:
+        # Keyed by the kind of failure only: a server that went away fails reads and writes
+        # alike, and that is one event for the user.
+        if getattr(exc, "warned", False):  # the store warned when this began
+            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
+            return
+        kind = type(exc).__name__
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
+            self._last_warning[kind] = now
+            logger.warning("KV store %s failed to %s (%s); answering by computing chunk KV fresh",
+                           self.store.describe(), what, exc)
 
-    def _read_layers(self, key: str, manifest: Manifest,
-                     layers: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """K and V of the stored chunk's ``layers``, verified, in the engine's dtype on the host (views over the
-        bytes read where no conversion is needed); ``None`` if the store fails or the entry is damaged (which
-        is then removed and counted)."""
-        out = []
-        try:
-            blobs = self.store.get_layers([(key, manifest.write_id, i) for i in layers]) if layers else []
-            for i, blob in zip(layers, blobs):
-                if isinstance(blob, CorruptEntryError):
-                    raise blob
-                out.append(self.rules.layer(blob, manifest, i).unpacked(self.engine.dtype))
-        except CorruptEntryError as exc:
-            self._discard(key, exc)
-            return None
-        except (StoreError, OSError) as exc:
-            self._warn("read", exc)
-            return None
-        return out
-
+    # ---------------------------------------------------------------- reads
     def _keep_stored_resident(self, key: str, manifest: Manifest, read: dict[int, PackedLayer]) -> None:
         """Keep a stored chunk a blend just read in the host-memory tier: the layers it read (checked then)
         copied, the ones it skipped read now (on the writer thread: off the blend's path)."""
@@ -369,75 +269,11 @@ class ChunkCache:
             self._write_logged(key, fresh)
 
     # --------------------------------------------------------------- writes
-    def codec_for(self, chunk: ChunkKV, *, lossless: bool = False) -> Codec:
-        """The codec ``chunk`` is stored in: this cache's, or for ``"auto"`` the model's 16-bit dtype
-        (float16 for a float32 model, bfloat16 if a value is beyond float16's range); with
-        ``lossless``, the model's own dtype."""
-        dtype = chunk.keys[0].dtype
-        if lossless:
-            return float_codec(dtype)
-        if self.codec is not None:
-            return self.codec
-        if dtype in (torch.float16, torch.bfloat16):
-            return float_codec(dtype)
-        peak = max(float(t.abs().max()) for t in (*chunk.keys, *chunk.values) if t.numel())
-        return float_codec(torch.float16 if peak <= _FLOAT16_MAX else torch.bfloat16)
-
-    def put(self, chunk: ChunkKV, key: str | None = None, *, lossless: bool = False) -> int:
-        """Write one chunk now; returns the bytes written (0 if it was already there). ``lossless``
-        stores it in the model's own dtype, whatever this cache's codec (see :meth:`warm`).
-
-        Layers go first, the manifest last. If writing fails, this write's layers are
-        removed again (best effort) and :class:`StoreError` is raised; the chunk stays absent.
-        """
-        key = key or self.key_for(chunk.token_ids, chunk.prefix_ids)
-        codec = self.codec_for(chunk, lossless=lossless)
-        write_id = os.urandom(8).hex()
-        digests, nbytes, written = [], 0, 0
-        try:
-            for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values)):
-                blob = encode_layer(k, v, codec, self.tagger)
-                self.store.put_layer(key, write_id, layer, blob)
-                written = layer + 1
-                digests.append(value_digest(blob))
-                nbytes += len(blob)
-            kv_heads, num_tokens, head_dim = chunk.keys[0].shape
-            manifest = Manifest(key=key, write_id=write_id, num_layers=chunk.num_layers, num_tokens=num_tokens,
-                                kv_heads=kv_heads, head_dim=head_dim, codec=codec.name, group=codec.group,
-                                layer_digests=tuple(digests), nbytes=nbytes, created=time.time())
-            won = self.store.add_manifest(key, encode_manifest(manifest, self.tagger))
-        except BaseException:
-            self._forget_layers(key, write_id, written)
-            raise
-        if not won:  # another writer completed the same chunk first; its entry stands
-            self._forget_layers(key, write_id, written)
-            return 0
-        return nbytes
-
-    def _forget_layers(self, key: str, write_id: str, num_layers: int) -> None:
-        try:
-            self.store.delete_layers(key, write_id, num_layers)
-        except (StoreError, OSError):
-            pass  # the store is failing anyway; orphaned layers are never read and get evicted
-
-    def _write_logged(self, key: str, chunk: ChunkKV, lossless: bool = False) -> int | None:
-        try:
-            return self.put(chunk, key, lossless=lossless)
-        except (StoreError, OSError) as exc:
-            self._warn("write", exc)
-            return None
-
     def _submit_write(self, key: str, chunk: ChunkKV) -> None:
         if self.write_back:
             self._submit(self._write_logged, key, chunk)
         if self.resident is not None:
             self._submit(self._keep_computed_resident, key, chunk)
-
-    def _record(self, **counts: int) -> None:
-        try:
-            self.store.record(**counts)
-        except (StoreError, OSError) as exc:
-            self._warn("write", exc)
 
     def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
         future = self._writer.submit(fn, *args, **kwargs)
@@ -463,88 +299,6 @@ class ChunkCache:
             for future in pending:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 future.exception(timeout=remaining)
-
-    def _warn(self, what: str, exc: BaseException) -> None:
-        # Keyed by the kind of failure only: a server that went away fails reads and writes
-        # alike, and that is one event for the user.
-        if getattr(exc, "warned", False):  # the store warned when this began
-            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
-            return
-        kind = type(exc).__name__
-        now = time.monotonic()
-        if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
-            self._last_warning[kind] = now
-            logger.warning("KV store %s failed to %s (%s); answering by computing chunk KV fresh",
-                           self.store.describe(), what, exc)
-
-    # ------------------------------------------------------------ precompute
-    def warm(
-        self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False,
-        prefix_ids: Sequence[int] | None = None, lossless: bool = False,
-    ) -> WarmSummary:
-        """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches,
-        behind ``prefix_ids`` (default: this cache's conditioning prefix; ``()`` for a chunk that
-        opens prompts, such as a system prompt).
-
-        A chunk that opens a prompt behind nothing is an exact prefix of the blend (reused as is,
-        never recomputed) only if it is stored without loss: warm it with ``lossless=True``, which
-        keeps the model's own dtype whatever this cache's codec. Stored at fewer bits it is blended
-        like any other chunk."""
-        steps = with_progress(self.warm_steps(items, prefix_ids=prefix_ids, lossless=lossless), show_progress)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as finished:
-                return finished.value
-
-    def warm_steps(
-        self, items: Iterable[str | Sequence[int]], *, prefix_ids: Sequence[int] | None = None,
-        lossless: bool = False,
-    ) -> Generator[tuple[int, int], None, WarmSummary]:
-        """:meth:`warm` one batch per step: yields ``(chunks to compute, chunks computed)`` after
-        each batch and returns the summary. A server's scheduler runs a step between two decode
-        steps, so a large warm never holds the requests that are decoding."""
-        prefix = self.prefix_ids if prefix_ids is None else tuple(int(t) for t in prefix_ids)
-        summary = WarmSummary()
-        fingerprint = self.engine.fingerprint  # once: it checks the weights
-        todo: list[tuple[int, ...]] = []
-        seen: set[tuple[int, ...]] = set()
-        for index, item in enumerate(items):
-            ids = self._ids(item, f"chunk {index}")
-            if not ids:
-                continue
-            if ids in seen or self.contains(ids, prefix, fingerprint=fingerprint):
-                summary.present += 1
-            else:
-                todo.append(ids)
-            seen.add(ids)
-        writes: list[Future] = []
-        if todo:
-            yield len(todo), 0
-        for start in range(0, len(todo), self.batch_size):
-            batch = todo[start : start + self.batch_size]
-            chunks = self.engine.prefill_chunks(batch, prefix_ids=prefix, batch_size=self.batch_size)
-            # Writing batch i overlaps computing batch i+1; wait for i-1 first, to bound memory.
-            for ids, future in writes:
-                self._tally(summary, ids, future.result())
-            writes = [(ids, self._writer.submit(self._write_logged, self.key_for(c.token_ids, c.prefix_ids,
-                                                                                 fingerprint=fingerprint), c, lossless))
-                      for ids, c in zip(batch, chunks)]
-            yield len(todo), start + len(batch)
-        for ids, future in writes:
-            self._tally(summary, ids, future.result())
-        return summary
-
-    @staticmethod
-    def _tally(summary: WarmSummary, ids: tuple[int, ...], written: int | None) -> None:
-        if written is None:
-            summary.failed += 1
-        elif written:
-            summary.new += 1
-            summary.bytes_written += written
-            summary.computed.append(ids)
-        else:
-            summary.present += 1
 
     # --------------------------------------------------------------- admin
     def stats(self) -> StoreStats:
@@ -577,3 +331,6 @@ class ChunkCache:
     def __repr__(self) -> str:
         auth = ", authenticated" if self.tagger.authenticated else ""
         return f"ChunkCache({self.store.describe()}, storage_dtype={self.codec or 'auto'!r}{auth})"
+
+
+__all__ = ["ChunkCache", "WarmSummary"]
