@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cacheblend_rag.bench.harness import restrict_document
+from cacheblend_rag.bench.summary import restrict_document
 from cacheblend_rag.bench.report import answer_table, describe_run
 
 

@@ -18,7 +18,7 @@ from cacheblend_rag.bench.calibration import (
     default_state_path,
     parse_candidates,
 )
-from cacheblend_rag.bench.harness import answerable
+from cacheblend_rag.bench.runner import answerable
 from cacheblend_rag.bench.prompt import BenchPrompt, MusiqueExample, build_prompt, load_musique
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV

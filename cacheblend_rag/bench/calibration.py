@@ -2,7 +2,7 @@
 
 On a handful of prompts it measures full prefill (the reference: its greedy answer is the
 teacher), plain full reuse (the yardstick of recovery) and every candidate setting, the way the
-harness does (:mod:`cacheblend_rag.bench.harness`: same prompts, same stores, same requests):
+harness does (:mod:`cacheblend_rag.bench.runner`: same prompts, same stores, same requests):
 
 * fidelity: the mean per-token KL(full prefill || setting) along full prefill's first
   ``teacher_tokens`` answer tokens, teacher-forced;

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from cacheblend_rag.bench.harness import DEFAULT_METHODS, BenchConfig
+from cacheblend_rag.bench.config import DEFAULT_METHODS, BenchConfig
 from cacheblend_rag.bench.references import DEFAULT_REFERENCE_DIR
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import CacheBlendError, ConfigError

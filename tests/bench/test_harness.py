@@ -146,7 +146,7 @@ def test_answerable_keeps_questions_whose_answer_is_in_the_prompt(engine, tmp_pa
 
 
 def test_restrict_document_summarises_again(document):
-    from cacheblend_rag.bench.harness import restrict_document
+    from cacheblend_rag.bench.summary import restrict_document
 
     same = restrict_document(json.loads(json.dumps(document)), [0, 1])
     assert [m["quality"] for m in same["methods"]] == [m["quality"] for m in document["methods"]]
@@ -281,7 +281,7 @@ def test_prefix_caching_request_reproduces_full_prefill(engine):
 def test_restrict_document_keeps_a_methods_corrections(engine, musique_file):
     # The probe and key corrections live only in a method's name; summarised again, a document must
     # still find their pairs (they came back empty under the plain method's name).
-    from cacheblend_rag.bench.harness import restrict_document
+    from cacheblend_rag.bench.summary import restrict_document
 
     config = BenchConfig(data=str(musique_file), passages=3, ratios="0.5",
                          methods="full_reuse,cacheblend+probeshift4,cacheblend+keyshift0.5", **FAST)
@@ -292,7 +292,7 @@ def test_restrict_document_keeps_a_methods_corrections(engine, musique_file):
 
 
 def test_conditioned_full_reuse_gets_a_recovery_interval_plain_full_reuse_none():
-    from cacheblend_rag.bench.harness import _quality
+    from cacheblend_rag.bench.summary import _quality
     from cacheblend_rag.bench.methods import parse_methods
 
     kl = {"full_reuse": {0: 0.4, 1: 0.6, 2: 0.2}, "full_reuse+prefix": {0: 0.1, 1: 0.5, 2: 0.1}}
