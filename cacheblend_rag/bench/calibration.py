@@ -81,18 +81,19 @@ __all__ = ["CalibrationResult", "CalibrationState", "CalibrationTarget", "Calibr
 # ``--methods`` item (NAME[+prefix][+keyshift|+probeshift]@RATIO). ``query_profiled+prefix`` is the integrations'
 # built-in default (chunks computed behind the prompt's lead); ``kv_deviation`` is CacheBlend as
 # published, chunks computed alone. ``+keyshift0.5`` (half the stale key correction) is left out: it
-# helped Qwen2.5-Coder-1.5B at 100-token passages and hurt it at 300 (docs/quality.md, "The key correction
-# at 300-token passages"), so calibration prompts shorter than the deployed ones could pick it wrongly.
+# helped Qwen2.5-Coder-1.5B at 100-token passages and hurt it at 300 (research/quality_notebook.md, "The key
+# correction at 300-token passages"), so calibration prompts shorter than the deployed ones could pick it wrongly.
 # Name it in --candidates to measure it. Probe tokens (each chunk's K/V shift estimated from evenly spaced
 # recomputed tokens) are in, one every 10 tokens (``+probeshift10``): on that model they recover 58-63% at
 # 0.15-0.2 wherever they fall, while one every 20 tokens swings by 20 points with the placement
-# (docs/quality.md, "Where the probes fall"), and a candidate that wins a calibration by a lucky placement
+# (research/quality_notebook.md, "Where the probes fall"), and a candidate that wins a calibration by a lucky placement
 # would not carry over to the user's other prompts. At 300-token passages they tie the default over 29
 # questions and lose to it on the 16 they were not developed on: a candidate to measure, not a default.
 # On the default's own selection they gain 11-13 points at 300-token passages over all 29 questions, with chunks
 # conditioned (``query_profiled+prefix+probeshift10``: 60% at 0.2, 73% at 0.3) and more with chunks computed
 # alone (``query_profiled+probeshift10``: 70.5% at 0.2, 77% at 0.3, the setting shipped for Qwen2.5-Coder-1.5B;
-# docs/quality.md, "The default's selection with probes"); both are in the grid, so that the user's prompts decide.
+# research/quality_notebook.md, "The default's selection with probes"); both are in the grid, so that the user's
+# prompts decide.
 DEFAULT_CANDIDATES: list[str] = [
     *(f"query_profiled+prefix@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)),
     *(f"kv_deviation@{r:g}" for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)),

@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests (one per question, the first N) timed for throughput; 0 skips it")
     timing.add_argument("--throughput-new-tokens", type=int, default=32, help="tokens decoded per throughput request")
 
-    loop = parser.add_argument_group("research loop (docs/quality.md, \"Research loop\")")
+    loop = parser.add_argument_group("research loop (research/quality_notebook.md, \"Research loop\")")
     loop.add_argument("--reference-cache", nargs="?", const=str(DEFAULT_REFERENCE_DIR), default=None, metavar="DIR",
                       help="keep full prefill's references (greedy answer, teacher-forced logits) in DIR and reuse "
                            f"them: a cached reference skips full prefill, whose TTFT is then not measured "
