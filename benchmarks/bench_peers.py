@@ -46,7 +46,7 @@ import torch
 from bench_engine import DEFAULT_DATA, git_commit
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.bench.metrics import token_kl
-from cacheblend_rag.bench.peers import PEERS, Peer, PeerContext, PeerUnavailable
+from cacheblend_rag.bench.peers import LLAMA_FORMATS, PEERS, Peer, PeerContext, PeerUnavailable, requantized_gguf
 from cacheblend_rag.bench.prompt import BenchPrompt, build_prompt, load_musique
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request
 from cacheblend_rag.engine.generate import eos_token_ids
@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="catalog name, model folder, .gguf or hub id (default: SmolLM2)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF llama.cpp reads (default: the one the loader converts for --model, if any)")
+    p.add_argument("--llama-format", choices=sorted(LLAMA_FORMATS), default=None,
+                   help="llama.cpp reads the GGUF re-quantized to this type by its own llama_model_quantize (cached "
+                        "beside the loader's files): its faster CPU formats from the same weights (default: as is)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--n", type=int, default=6, help="questions (the first N of --data)")
     p.add_argument("--passages", type=int, default=10)
@@ -284,6 +287,10 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
                       n_ctx=-(-(longest + 16) // 256) * 256,
                       load=None if injected else (lambda dtype: CacheBlendEngine.from_pretrained(args.model, dtype=dtype)),
                       gguf=args.gguf or (None if injected else default_gguf(args.model)))
+    if args.llama_format and ctx.gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+        from cacheblend_rag.models.loader import cache_root
+
+        ctx.gguf = requantized_gguf(ctx.gguf, args.llama_format, cache_root() / "peers")
     runner = Runner(args.peer_names, ctx)
     rows = []
     try:
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
         runner.close()
     report = {
         "benchmark": "peers", "model": engine.model_name, "gguf": None if ctx.gguf is None else str(ctx.gguf),
+        "llama_format": args.llama_format or "as the GGUF is",
         "reference": "this package's float32 full prefill (first-token logits, greedy answer)",
         "data": str(args.data), "questions": len(prompts), "passages": args.passages,
         "max_passage_tokens": args.max_passage_tokens, "max_new_tokens": args.max_new_tokens,

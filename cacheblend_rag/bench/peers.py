@@ -37,6 +37,34 @@ class PeerUnavailable(Exception):
     """The peer cannot run here (no GGUF for the model, ...): it is skipped with this reason."""
 
 
+# llama.cpp's CPU formats a GGUF can be re-quantized to: llama_cpp's LLAMA_FTYPE_MOSTLY_<name>.
+LLAMA_FORMATS = ("Q8_0", "F16", "BF16")
+
+
+def requantized_gguf(source: Path, fmt: str, folder: Path) -> Path:
+    """``source`` re-quantized to ``fmt`` by llama.cpp's own ``llama_model_quantize`` (dequantized, then
+    quantized again: the same weights in a format llama.cpp may run faster), made once into ``folder``."""
+    if fmt not in LLAMA_FORMATS:
+        raise ValueError(f"llama.cpp format {fmt!r}: choose one of {', '.join(LLAMA_FORMATS)}")
+    target = folder / f"{source.stem}.{fmt}.gguf"
+    if target.exists():
+        return target
+    import ctypes
+
+    import llama_cpp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt}")
+    params.allow_requantize = True
+    partial = target.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not re-quantize {source} to {fmt}")
+    partial.replace(target)  # whole or absent: a stopped run leaves no half-written model behind
+    return target
+
+
 @dataclass
 class PeerContext:
     """What every peer shares: the float32 engine (the reference's), how to get the model in another dtype,

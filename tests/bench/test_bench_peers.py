@@ -96,3 +96,14 @@ def test_report_per_prompt_and_per_peer(bench, musique_file, tmp_path):
 def test_unknown_peer_is_refused(bench):
     with pytest.raises(SystemExit):
         bench.main(["--peers", "hf-fp32,nonsense"], engine=tiny_engine())
+
+
+def test_llama_formats_are_named_and_made_once(tmp_path):
+    """--llama-format: an unknown format is refused by name; a re-quantized file already there is reused (so no
+    llama.cpp is needed to find it)."""
+    source = tmp_path / "model.gguf"
+    with pytest.raises(ValueError, match="Q4_K.*Q8_0, F16, BF16"):
+        peers_module.requantized_gguf(source, "Q4_K", tmp_path)
+    made = tmp_path / "model.Q8_0.gguf"
+    made.write_bytes(b"GGUF")
+    assert peers_module.requantized_gguf(source, "Q8_0", tmp_path) == made
