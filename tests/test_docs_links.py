@@ -86,3 +86,24 @@ def test_the_checker_finds_links_and_anchors_as_github_does(tmp_path):
                                        "missing.png", "#nowhere", "page.md", "https://example.com/x.md"]
     assert anchors(page) == {"quality-at-005--015-profile_tokens-issue-31s", "notes", "notes-1"}
     assert [b.split(":")[0] for b in broken_links(page)] == ["missing.png", "#nowhere"]
+
+
+def linked_files() -> set[Path]:
+    """Every file of the repository some page links (anchors dropped)."""
+    found = set()
+    for page in PAGES:
+        for target in links(page.read_text(encoding="utf-8")):
+            path = target.partition("#")[0]
+            if path and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", path):
+                found.add((page.parent / path).resolve())
+    return found
+
+
+def test_docs_holds_only_what_a_page_links():
+    """docs/ is pages and what they show or cite (figures, docs/data/ rows): a file no page links belongs in
+    research/ or nowhere."""
+    linked = linked_files()
+    unlinked = [_shown(path) for path in sorted((ROOT / "docs").rglob("*"))
+                if path.is_file() and "__pycache__" not in path.parts and path.resolve() not in linked]
+    assert not unlinked, "files in docs/ that no page links (link them from the page that uses them, or move " \
+                         "them to research/):\n  " + "\n  ".join(unlinked)

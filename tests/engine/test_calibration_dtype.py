@@ -144,6 +144,17 @@ def test_every_shipped_setting_names_its_dtype_and_its_models_gguf():
         assert setting.shape["architecture"] and setting.shape["hidden_size"] and setting.shape["num_hidden_layers"]
 
 
+def test_the_quality_model_ships_its_setting_in_both_dtypes_a_cpu_picks():
+    """Qwen2.5-Coder-1.5B's setting was measured in float32 and again in bfloat16 (issue 55): one document each, the
+    same setting, the same GGUF; a bfloat16 load finds its own, not the float32 one (the source says no other dtype)."""
+    documents = [json.loads(path.read_text()) for path in sorted(calibrated.SHIPPED_DIR.glob("*.json"))]
+    quality = {d["dtype"]: d for d in documents if d["model"] == "qwen2.5-coder-1.5b"}
+    assert set(quality) == {"float32", "bfloat16"}
+    assert quality["float32"]["chosen"]["config"] == quality["bfloat16"]["chosen"]["config"]
+    assert quality["float32"]["fingerprint"] != quality["bfloat16"]["fingerprint"]  # the fingerprint holds the dtype
+    assert quality["float32"]["weights"]["identities"][0] in quality["bfloat16"]["weights"]["identities"]
+
+
 @pytest.mark.slow
 def test_smollm2_in_bfloat16_finds_a_float32_setting_of_its_gguf(tmp_path):
     """The quality model's case, on the embedded model: a setting measured in float32 and named by the GGUF's
