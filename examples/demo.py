@@ -11,7 +11,11 @@ The pipeline is the one in ``examples/llamaindex_faiss_rag.ipynb``:
    relevant chunk next to the question: ``CacheBlendLLM`` with
    ``CacheBlendNodePostprocessor`` (reuses the chunk KV, recomputes ~15% of its tokens),
    and the same model with full prefill;
-5. a few questions, with answers, TTFT and reuse printed side by side, and a bar chart.
+5. an untimed warm-up on a question of its own (it runs the engine's one-time correctness check
+   and fills the prefix cache with the prompt template's opening, as any earlier request would),
+   then a few demo questions, each asked once: answers, TTFT and where every prompt token's K/V
+   came from (chunk store, prefix cache, earlier prompts' spans, computed here) printed side by
+   side, and a bar chart.
 
 Run ``python examples/demo.py --help`` for the options.
 """
@@ -118,9 +122,16 @@ class MostRelevantLast(BaseNodePostprocessor):
         return list(reversed(nodes))
 
 
+# Asked once, untimed, before the timed questions, and never timed itself: a first query runs the
+# engine's one-time correctness check, and a repeat of a question would be answered from the prefix
+# cache (its whole prompt held from the first time), which is not what a new question costs.
+WARM_UP = DemoQuestion(question="What kinds of places and people do these articles describe?", answer="",
+                       source="")
+
+
 @dataclass
 class Answer:
-    """One question answered by one query engine."""
+    """One question answered by one query engine, with where each prompt token's K/V came from."""
 
     question: str
     expected: str
@@ -128,8 +139,15 @@ class Answer:
     ttft_s: float  # engine: request start to first token
     query_s: float  # the whole query: retrieval, postprocessing, prompt, generation
     prompt_tokens: int
-    reused_tokens: int
-    recomputed_tokens: int
+    cached_tokens: int  # tokens that came with K/V: chunk store, prefix cache, earlier spans, chunks computed here
+    loaded_tokens: int  # of them, K/V not computed for this request (all but chunks computed on a miss)
+    prefix_tokens: int  # of them, K/V from the prefix cache (an earlier prompt's opening)
+    approximate_prefix_tokens: int  # of the prefix tokens, those an earlier blend left (not exact)
+    segment_tokens: int  # of them, K/V of spans after the chunks that an earlier request left
+    exact_tokens: int  # cached tokens at the start whose K/V is what full prefill computes
+    reused_tokens: int  # cached tokens whose K/V was kept as is
+    recomputed_tokens: int  # cached tokens recomputed for this prompt
+    fresh_tokens: int  # tokens with no cached K/V: template, glue, question
     cache_hits: int
     cache_misses: int
     mode: str
@@ -138,37 +156,83 @@ class Answer:
     def correct(self) -> bool:
         return self.expected.lower() in self.answer.lower()
 
+    def origins(self) -> dict[str, int]:
+        """Prompt tokens by where their K/V came from; the counts add up to ``prompt_tokens``."""
+        return {
+            "chunk store": max(0, self.loaded_tokens - self.prefix_tokens - self.segment_tokens),
+            "prefix cache": self.prefix_tokens,
+            "earlier spans": self.segment_tokens,
+            "chunks computed on a miss": max(0, self.cached_tokens - self.loaded_tokens),
+            "fresh": self.fresh_tokens,
+        }
+
 
 def ask(query_engine: Any, llm: CacheBlendLLM, item: DemoQuestion) -> Answer:
     start = time.perf_counter()
     response = query_engine.query(item.question)
     elapsed = time.perf_counter() - start
     stats = llm.last_stats or {}
-    return Answer(
-        question=item.question, expected=item.answer, answer=str(response).strip(),
-        ttft_s=stats["ttft_s"], query_s=elapsed, prompt_tokens=stats["prompt_tokens"],
-        reused_tokens=stats["reused_tokens"], recomputed_tokens=stats["recomputed_tokens"],
-        cache_hits=stats["cache_hits"], cache_misses=stats["cache_misses"], mode=stats["mode"],
-    )
+    counts = {name: int(stats.get(name) or 0) for name in (
+        "cached_tokens", "loaded_tokens", "prefix_tokens", "approximate_prefix_tokens", "segment_tokens",
+        "exact_tokens", "reused_tokens", "recomputed_tokens", "fresh_tokens", "cache_hits", "cache_misses")}
+    return Answer(question=item.question, expected=item.answer, answer=str(response).strip(), ttft_s=stats["ttft_s"],
+                  query_s=elapsed, prompt_tokens=stats["prompt_tokens"], mode=stats["mode"], **counts)
+
+
+def compare(
+    cacheblend_engine: Any, llm: CacheBlendLLM, full_prefill_engine: Any, full_prefill_llm: CacheBlendLLM,
+    questions: Sequence[DemoQuestion], warm_up: DemoQuestion = WARM_UP,
+) -> list[tuple[Answer, Answer]]:
+    """``warm_up`` on both engines, untimed, then each of ``questions`` not asked before, on both:
+    a (CacheBlend, full prefill) pair per question. A question asked twice would find its whole
+    prompt in the prefix cache the second time, so repeats (and the warm-up question) are skipped."""
+    ask(cacheblend_engine, llm, warm_up)
+    ask(full_prefill_engine, full_prefill_llm, warm_up)
+    asked = {warm_up.question}
+    pairs = []
+    for item in questions:
+        if item.question in asked:
+            logger.warning("skipping %r: it was asked before, and a repeat is answered from the prefix cache",
+                           item.question)
+            continue
+        asked.add(item.question)
+        pairs.append((ask(cacheblend_engine, llm, item), ask(full_prefill_engine, full_prefill_llm, item)))
+    return pairs
+
+
+def _origins_text(counts: dict[str, float], exact_prefix_cache: float, unit: str = "") -> str:
+    parts = [f"{name} {value:{unit}}" + (f" (exact {exact_prefix_cache:{unit}})" if name == "prefix cache" else "")
+             for name, value in counts.items()]
+    return ", ".join(parts)
 
 
 def print_comparison(pairs: Sequence[tuple[Answer, Answer]]) -> None:
     for blended, full in pairs:
+        exact_prefix_cache = blended.prefix_tokens - blended.approximate_prefix_tokens
         print(f"\nQ: {blended.question}   (expected: {blended.expected})")
-        print(f"  CacheBlend    TTFT {blended.ttft_s:6.3f}s  reused {blended.reused_tokens:4d}/{blended.prompt_tokens} "
-              f"tokens, recomputed {blended.recomputed_tokens}, hits {blended.cache_hits}, "
-              f"misses {blended.cache_misses}\n                -> {blended.answer}")
-        print(f"  full prefill  TTFT {full.ttft_s:6.3f}s  {full.prompt_tokens} tokens\n                -> {full.answer}")
+        print(f"  CacheBlend    TTFT {blended.ttft_s:6.3f}s  {blended.prompt_tokens} tokens by origin: "
+              f"{_origins_text(blended.origins(), exact_prefix_cache, 'd')}\n"
+              f"                of the {blended.cached_tokens} cached: recomputed {blended.recomputed_tokens}, "
+              f"reused as is {blended.reused_tokens} (exact prefix {blended.exact_tokens}); chunks: "
+              f"hits {blended.cache_hits}, misses {blended.cache_misses}\n                -> {blended.answer}")
+        print(f"  full prefill  TTFT {full.ttft_s:6.3f}s  {full.prompt_tokens} tokens, all computed\n"
+              f"                -> {full.answer}")
     if not pairs:
         return
     n = len(pairs)
     # Medians: one busy moment on a shared machine should not decide the comparison.
     ttft_blend = statistics.median(b.ttft_s for b, _ in pairs)
     ttft_full = statistics.median(f.ttft_s for _, f in pairs)
-    print(f"\nmedian TTFT: CacheBlend {ttft_blend:.3f}s, full prefill {ttft_full:.3f}s "
+    print(f"\nmedian TTFT over {n} questions, each asked once after an untimed warm-up on another question: "
+          f"CacheBlend {ttft_blend:.3f}s, full prefill {ttft_full:.3f}s "
           f"({ttft_full / ttft_blend:.1f}x faster to the first token)")
-    reuse = sum(b.reused_tokens / b.prompt_tokens for b, _ in pairs) / n
-    print(f"mean share of prompt tokens reused from the chunk store: {reuse:.0%}")
+    shares = {name: sum(b.origins()[name] / b.prompt_tokens for b, _ in pairs) / n for name in pairs[0][0].origins()}
+    exact_prefix_cache = sum((b.prefix_tokens - b.approximate_prefix_tokens) / b.prompt_tokens for b, _ in pairs) / n
+    print(f"prompt tokens by origin of their K/V, mean share: {_origins_text(shares, exact_prefix_cache, '.0%')}")
+    recomputed = sum(b.recomputed_tokens / b.prompt_tokens for b, _ in pairs) / n
+    reused = sum(b.reused_tokens / b.prompt_tokens for b, _ in pairs) / n
+    print(f"of all prompt tokens, cached K/V recomputed {recomputed:.0%}, reused as is {reused:.0%} (chunk store, "
+          "prefix cache and earlier spans together)")
     print(f"answers containing the expected phrase: CacheBlend {sum(b.correct for b, _ in pairs)}/{n}, "
           f"full prefill {sum(f.correct for _, f in pairs)}/{n}")
 
@@ -236,12 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm=full_prefill_llm, similarity_top_k=args.top_k, node_postprocessors=[MostRelevantLast()]
     )
 
-    # One untimed query first: it runs the engine's one-time correctness check.
-    ask(cacheblend_engine, llm, questions[0])
-
-    pairs = []
-    for item in questions:
-        pairs.append((ask(cacheblend_engine, llm, item), ask(full_prefill_engine, full_prefill_llm, item)))
+    pairs = compare(cacheblend_engine, llm, full_prefill_engine, full_prefill_llm, questions)
     print_comparison(pairs)
 
     output = Path(args.output_dir)
