@@ -181,14 +181,15 @@ def ask(query_engine: Any, llm: CacheBlendLLM, item: DemoQuestion) -> Answer:
 
 def compare(
     cacheblend_engine: Any, llm: CacheBlendLLM, full_prefill_engine: Any, full_prefill_llm: CacheBlendLLM,
-    questions: Sequence[DemoQuestion], warm_up: DemoQuestion = WARM_UP,
+    questions: Sequence[DemoQuestion], warm_up: DemoQuestion = WARM_UP, asked_before: Sequence[str] = (),
 ) -> list[tuple[Answer, Answer]]:
     """``warm_up`` on both engines, untimed, then each of ``questions`` not asked before, on both:
     a (CacheBlend, full prefill) pair per question. A question asked twice would find its whole
-    prompt in the prefix cache the second time, so repeats (and the warm-up question) are skipped."""
+    prompt in the prefix cache the second time, so repeats, the warm-up question and ``asked_before``
+    (questions the caller already put to these engines) are skipped."""
     ask(cacheblend_engine, llm, warm_up)
     ask(full_prefill_engine, full_prefill_llm, warm_up)
-    asked = {warm_up.question}
+    asked = {warm_up.question, *asked_before}
     pairs = []
     for item in questions:
         if item.question in asked:
