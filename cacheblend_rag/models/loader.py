@@ -28,6 +28,7 @@ from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, parse_dtype
 from cacheblend_rag.models.fingerprint import record_weights_source
+from cacheblend_rag.models.placement import place_on_device, quantized_load_placement
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +199,14 @@ def load_model(
                           cache_root() / PROBE_FILE)
     dt = choice.dtype
     loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
+    # Quantized weights are placed on the device by transformers, not moved there afterwards (models.placement).
+    placement = quantized_load_placement(
+        None if "quantization_config" in model_kwargs else _read_config(target, hub_options, model_kwargs),
+        model_kwargs, dev)
     try:
         if loaded_tokenizer is None:
             loaded_tokenizer = AutoTokenizer.from_pretrained(target, **hub_options)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs, **placement)
     except (OSError, ValueError) as exc:
         if folder is None:
             raise ModelLoadError(
@@ -210,7 +215,7 @@ def load_model(
                 "Pass a local path, or leave the model unset for the embedded SmolLM2-135M-Instruct"
             ) from exc
         raise ModelLoadError(f"could not load model from {target}: {exc}") from exc
-    model.to(dev).eval()
+    model = place_on_device(model, dev)
     if gguf_digest is not None and tokenizer is None:
         # The GGUF names these weights (and their tokenizer) in any dtype: calibrations measured in another
         # dtype find them by it (engine.calibrated). Not with another tokenizer, which the GGUF does not hold.
@@ -246,15 +251,23 @@ def _locate(name_or_path: str | os.PathLike[str] | None) -> tuple[Path | None, s
     return None, str(name_or_path), str(name_or_path), None
 
 
-def _hidden_width(target: str, hub_options: dict[str, Any], model_kwargs: dict[str, Any]) -> int | None:
-    """The model's hidden size, from its config alone (the auto dtype's probe is a matmul of this width)."""
+def _read_config(target: str, hub_options: dict[str, Any], model_kwargs: dict[str, Any]) -> Any | None:
+    """The model's config alone, without its weights; ``None`` when it cannot be read (the model's own load
+    then says what is wrong)."""
     from transformers import AutoConfig
 
     options = {k: model_kwargs[k] for k in ("trust_remote_code", "revision") if k in model_kwargs}
     try:
-        config = AutoConfig.from_pretrained(target, **hub_options, **options)
+        return AutoConfig.from_pretrained(target, **hub_options, **options)
     except (OSError, ValueError):
-        return None  # the model's own load says what is wrong
+        return None
+
+
+def _hidden_width(target: str, hub_options: dict[str, Any], model_kwargs: dict[str, Any]) -> int | None:
+    """The model's hidden size, from its config alone (the auto dtype's probe is a matmul of this width)."""
+    config = _read_config(target, hub_options, model_kwargs)
+    if config is None:
+        return None
     width = getattr(config.get_text_config(decoder=True), "hidden_size", None)
     return int(width) if isinstance(width, int) and width > 0 else None
 
