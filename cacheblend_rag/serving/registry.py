@@ -1,7 +1,8 @@
 """Engines, schedulers and chunk caches shared by every integration object of a process.
 
 Loading a model takes seconds and its chunk KV takes memory, so LLMs and chat models that
-name the same model (and device and dtype) share one engine, and those on the same engine
+name the same model (and device and dtype) share one engine (however they spell it:
+:mod:`~cacheblend_rag.serving.engine_key`), and those on the same engine
 and store share one chunk cache. Each engine has one scheduler, whichever framework uses it,
 whose worker thread is the only one to touch the engine: a torch model is not re-entrant,
 its tokenizer is not safe to call from two threads at once, and concurrent requests are
@@ -11,7 +12,6 @@ decoded fastest as one batch (:mod:`~cacheblend_rag.serving.scheduler`).
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -21,15 +21,19 @@ from cacheblend_rag.config import BlendConfig, SchedulerConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.serving.engine_key import (
+    TINY_ARCHITECTURES,
+    TINY_MODEL_PREFIX,
+    EngineKey,
+    engine_key,
+    is_tiny_model_name,
+    loader_device_argument,
+    loader_model_argument,
+)
 from cacheblend_rag.serving.scheduler import RequestScheduler
 from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, KVStore, MemoryKVStore, open_store, parse_size
 from cacheblend_rag.store.prefix_blocks import StorePrefixBlocks
-
-# Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
-TINY_MODEL_PREFIX = "tiny-"
-TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 ChunkCacheKey = tuple[Any, ...]  # store, prefix, size limit, storage dtype, hash of the store key, tier size
 
@@ -48,13 +52,22 @@ class EngineSlot:
     segment_cache: SegmentCache | None = None
 
 
+@dataclass(frozen=True)
+class EngineRecipe:
+    """The arguments a registry engine was loaded with: enough to load it again in another process
+    (an unpickled integration object does, :mod:`~cacheblend_rag.serving.pickling`)."""
+
+    model: str
+    device: str | None
+    dtype: str | None
+    tokenizer: str | None
+    model_kwargs: dict[str, Any]
+
+
 _registry_lock = threading.Lock()
-_engines: dict[tuple[Any, ...], CacheBlendEngine] = {}
+_engines: dict[EngineKey, CacheBlendEngine] = {}
+_recipes: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineRecipe]" = weakref.WeakKeyDictionary()
 _slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.WeakKeyDictionary()
-
-
-def is_tiny_model_name(model: str) -> bool:
-    return model.startswith(TINY_MODEL_PREFIX) and not os.path.exists(model)
 
 
 def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | None,
@@ -73,7 +86,7 @@ def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | No
             engine.model.to(device)
             engine.device = next(engine.model.parameters()).device
         return engine
-    name_or_path = None if model == DEFAULT_MODEL_NAME else model
+    name_or_path = loader_model_argument(model)
     # Loaded for any settings: an architecture without an adapter is refused (or served by full
     # prefill) by each integration object according to its own fallback_to_full_prefill.
     return CacheBlendEngine.from_pretrained(name_or_path, device=device, dtype=dtype, tokenizer=tokenizer,
@@ -85,15 +98,24 @@ def shared_engine(
     model_kwargs: dict[str, Any] | None = None,
 ) -> CacheBlendEngine:
     """The process-wide engine for ``model`` on ``device`` in ``dtype`` (loaded on first use).
-    ``model`` is the embedded model's name, a folder, a ``.gguf`` file, a hub id or ``tiny-<arch>``;
-    ``tokenizer`` and ``model_kwargs`` as for :func:`cacheblend_rag.models.load_model`."""
+    ``model`` is the embedded model's name, a catalog name, a folder, a ``.gguf`` file, a hub id or
+    ``tiny-<arch>``; ``device`` ``None`` or ``"auto"`` is the best one here; ``tokenizer`` and
+    ``model_kwargs`` as for :func:`cacheblend_rag.models.load_model`. Arguments that resolve to the same
+    weights, device and dtype (``dtype=None`` and the dtype it picks, say) get the same engine."""
     options = dict(model_kwargs or {})
-    key = (model, device, dtype, tokenizer, repr(sorted(options.items())))
+    key = engine_key(model, device, dtype, tokenizer, options)
     with _registry_lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = _load(model, device, dtype, tokenizer, options)
+            engine = _engines[key] = _load(model, loader_device_argument(device), dtype, tokenizer, options)
+            _recipes[engine] = EngineRecipe(model, device, dtype, tokenizer, options)
         return engine
+
+
+def recipe_of(engine: CacheBlendEngine) -> EngineRecipe | None:
+    """How ``engine`` was loaded, if the registry loaded it (``None`` for an engine built by the caller)."""
+    with _registry_lock:
+        return _recipes.get(engine)
 
 
 def slot_for(engine: CacheBlendEngine) -> EngineSlot:
