@@ -24,11 +24,35 @@ BLEND_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlendConfig))
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "min_new_tokens")
 
 
+# Other libraries' names for a setting, and ours, in the order tried: the closest spelling would mislead
+# (max_new_tokens is closest to min_new_tokens). Each integration has one of the length names.
+_NAMES_ELSEWHERE: dict[str, tuple[str, ...]] = {
+    "max_new_tokens": ("max_tokens",),
+    "max_tokens": ("max_new_tokens",),
+    "max_output_tokens": ("max_tokens", "max_new_tokens"),
+    "num_predict": ("max_tokens", "max_new_tokens"),
+    "stop_sequences": ("stop",),
+    "stop_words": ("stop",),
+}
+
+# Names refused with a reason rather than a spelling.
+_EXPLAINED = {
+    "trust_remote_code": "the embedded, catalog and GGUF models run no remote code; for a hub model whose "
+    "architecture needs it pass model_kwargs={'trust_remote_code': True} (a blend also needs an architecture "
+    "cacheblend_rag supports, else fallback_to_full_prefill=True serves it with full prefill)",
+}
+
+
 def unknown_names_error(owner: str, unknown: list[str], allowed: set[str], what: str = "argument") -> ValueError:
-    """``owner got unknown argument(s) 'x' (did you mean 'y'?)``."""
+    """``owner got unknown argument(s) 'x' (did you mean 'y'?)``: another library's name for a setting
+    gets ours, a name with no equivalent the reason, any other the closest known spelling."""
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, sorted(allowed), 1)
+        if name in _EXPLAINED:
+            hints.append(f"{name!r} ({_EXPLAINED[name]})")
+            continue
+        ours = [n for n in _NAMES_ELSEWHERE.get(name, ()) if n in allowed][:1]
+        close = ours or difflib.get_close_matches(name, sorted(allowed), 1)
         hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
     return ValueError(f"{owner} got unknown {what}(s) {', '.join(hints)}")
 
