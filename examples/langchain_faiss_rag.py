@@ -118,7 +118,7 @@ class BlendStats(BaseCallbackHandler):
         self.last: dict = {}
 
     def on_llm_end(self, response, **kwargs) -> None:
-        self.last = response.generations[0][0].message.response_metadata
+        self.last = response.generations[0][0].message.response_metadata["cacheblend"]
 
 
 def ask(chain, question: str) -> tuple[str, dict]:

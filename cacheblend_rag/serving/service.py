@@ -74,7 +74,7 @@ class Served:
     segment_cache: SegmentCache | None = None
 
     def stats(self) -> dict[str, Any]:
-        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata``):
+        """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata["cacheblend"]``):
         the blend's, what was found of the chunks, and the prefix and segment caches' state
         (``prefix_cache_*``, ``segment_cache_*``)."""
         stats = self.result.stats_dict()

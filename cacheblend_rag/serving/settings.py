@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
@@ -38,8 +38,10 @@ from cacheblend_rag.serving.arguments import (
     unknown_names_error,
 )
 from cacheblend_rag.serving.chunks import AnnouncedChunks
+from cacheblend_rag.serving.pickling import PicklesWithoutEngine
 from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, segment_cache_for, shared_engine
 from cacheblend_rag.serving.service import BlendService, Served
+from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
 
@@ -60,8 +62,9 @@ DEFAULT_SEGMENT_CACHE_BYTES = 64 * 1024 * 1024
 _CALIBRATED_CHOICES = frozenset({*CALIBRATED_FIELDS, "condition_chunks"})
 
 
-class CacheBlendSettings(BaseModel):
-    """Which model, where its chunk KV lives, and how prompts are blended."""
+class CacheBlendSettings(PicklesWithoutEngine):
+    """Which model, where its chunk KV lives, and how prompts are blended. Pickled without the model,
+    which an unpickled object attaches again on first use (:mod:`~cacheblend_rag.serving.pickling`)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -115,6 +118,11 @@ class CacheBlendSettings(BaseModel):
     model_kwargs: Dict[str, Any] = Field(
         default_factory=dict,
         description="Passed to AutoModelForCausalLM.from_pretrained: trust_remote_code, revision, attn_implementation...",
+    )
+    chat_template_kwargs: Dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables of the model's chat template, passed to tokenizer.apply_chat_template: "
+        "{'enable_thinking': False} turns Qwen3's thinking off.",
     )
     condition_chunks: bool = Field(
         default=DEFAULT_CONDITION_CHUNKS,
@@ -278,6 +286,11 @@ class CacheBlendSettings(BaseModel):
                 "process can create and write, or store_path=None to keep chunk KV in memory"
             )
         return str(folder)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_are_the_templates(cls, value: Any) -> Dict[str, Any]:
+        return checked_template_kwargs(cls.__name__, value)
 
     @field_validator("storage_dtype")
     @classmethod

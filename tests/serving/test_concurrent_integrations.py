@@ -110,7 +110,7 @@ def test_langchain_batch_equals_serial_and_batches(engine, chat, chat_serial):
     answers = chat.batch([[HumanMessage(q)] for q in questions()])
     assert [a.content for a in answers] == chat_serial
     assert batched(engine, before) > 2
-    assert all(a.response_metadata["cache_hits"] == 2 for a in answers)
+    assert all(a.response_metadata["cacheblend"]["cache_hits"] == 2 for a in answers)
 
 
 def test_langchain_ainvoke_gather_and_astream_equal_serial(engine, chat, chat_serial):

@@ -158,7 +158,8 @@ def test_both_integrations_report_the_prefix_cache_and_share_one_per_engine(engi
     assert llm.last_stats["prefix_tokens"] > 0 and llm.last_stats["prefix_cache_blocks"] > 0
     assert llm.last_stats["prefix_cache_bytes"] > 0 and llm.last_stats["prefix_cache_hits"] >= 1
     message = chat_model.invoke([HumanMessage(content=prompt)])
-    assert "prefix_cache_blocks" in message.response_metadata and "prefix_tokens" in message.response_metadata
+    stats = message.response_metadata["cacheblend"]
+    assert "prefix_cache_blocks" in stats and "prefix_tokens" in stats
 
 
 def test_the_prefix_cache_bound_is_validated_and_zero_turns_it_off(engine):
@@ -422,7 +423,7 @@ def test_both_integrations_report_approximate_prefix_tokens_in_a_rag_chat(engine
     chat_model.announce_chunks([CHUNK, *CHUNKS2])
     lc = [SystemMessage(content=SYSTEM), HumanMessage(content=user1)]
     reply = chat_model.invoke(lc)
-    meta = chat_model.invoke(lc + [AIMessage(content=reply.content), HumanMessage(content=user2)]).response_metadata
+    meta = chat_model.invoke(lc + [AIMessage(content=reply.content), HumanMessage(content=user2)]).response_metadata["cacheblend"]
     assert "approximate_prefix_tokens" in meta and "prefix_cache_approximate_blocks" in meta
     assert meta["exact_tokens"] + meta["approximate_prefix_tokens"] == meta["prefix_tokens"]
 

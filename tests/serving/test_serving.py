@@ -93,7 +93,7 @@ def test_both_integrations_answer_a_prompt_the_same_way(engine):
     li = llama.chat([ChatMessage(role="user", content=question)])
     assert lc.content == li.message.content
     for key in ("mode", "cached_tokens", "recomputed_tokens", "chunks_found", "prompt_tokens"):
-        assert lc.response_metadata[key] == li.additional_kwargs[key], key
+        assert lc.response_metadata["cacheblend"][key] == li.additional_kwargs[key], key
 
 
 def test_both_integrations_store_chunks_in_the_codec_asked_for(engine):

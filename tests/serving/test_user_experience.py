@@ -114,7 +114,7 @@ def test_a_cli_warm_job_is_hit_by_both_integrations(model_folder, tmp_path):
     short = {"min_blend_tokens": 0}  # two short chunks: blend them rather than answer by full prefill
     chat = ChatCacheBlend(model=str(model_folder), store_path=str(store), max_tokens=3, **short)
     chat.announce_chunks(CHUNKS)
-    meta = chat.invoke([HumanMessage(question)]).response_metadata
+    meta = chat.invoke([HumanMessage(question)]).response_metadata["cacheblend"]
     assert meta["cache_hits"] == 2 and meta["cache_misses"] == 0
     # prefix_cache_bytes=0: the prompt is the one just blended, whose K/V the shared prefix cache now
     # holds (approximate blocks), so with it the chunks would not be read from the store at all.
@@ -127,7 +127,7 @@ def test_a_cli_warm_job_is_hit_by_both_integrations(model_folder, tmp_path):
     alone = ChatCacheBlend(model=str(model_folder), store_path=str(store), condition_chunks=False, max_tokens=3,
                            prefix_cache_bytes=0, **short)
     alone.announce_chunks(CHUNKS)
-    assert alone.invoke([HumanMessage(question)]).response_metadata["cache_hits"] == 0
+    assert alone.invoke([HumanMessage(question)]).response_metadata["cacheblend"]["cache_hits"] == 0
 
 
 # ------------------------------------------------------------------ 3. reuse that drops is reported

@@ -1,12 +1,15 @@
-"""LangChain messages to the one prompt string the model's chat template renders."""
+"""LangChain messages to the one prompt string the model's chat template renders, and the model's
+thinking taken out of its answer."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
 
 from cacheblend_rag.errors import BlendInputError
+from cacheblend_rag.serving.thinking import split_thinking, thinks
 from cacheblend_rag.serving.tools import call_text
 
 
@@ -62,13 +65,33 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> str:
-    """The prompt text, ending with the assistant's opening, from the tokenizer's chat template."""
+def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage],
+                  template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt text, ending with the assistant's opening, from the tokenizer's chat template
+    (``template_kwargs``: its own variables, e.g. ``enable_thinking``)."""
     if not messages:
         raise BlendInputError("no messages to answer; pass at least one message")
     chat = to_chat_dicts(messages)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     # Base models have no template: a plain transcript that ends where the answer begins.
     lines = [f"{m['role']}: {m['content']}" for m in chat]
     return "\n".join(lines) + "\nassistant:"
+
+
+def reasoning_apart(result: ChatResult, tokenizer: Any) -> ChatResult:
+    """``result`` with a thinking model's ``<think>...</think>`` moved out of the answer into
+    ``additional_kwargs["reasoning_content"]``, where langchain-ollama and langchain-deepseek put it."""
+    if not thinks(tokenizer):
+        return result
+    generations = []
+    for generation in result.generations:
+        message = generation.message
+        if isinstance(message.content, str):
+            thought = split_thinking(message.content)
+            if thought.answer != message.content:
+                kwargs = {**message.additional_kwargs, "reasoning_content": thought.reasoning}
+                message = message.model_copy(update={"content": thought.answer, "additional_kwargs": kwargs})
+        generations.append(ChatGeneration(message=message, generation_info=generation.generation_info))
+    return ChatResult(generations=generations, llm_output=result.llm_output)

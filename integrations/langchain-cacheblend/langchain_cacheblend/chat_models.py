@@ -27,7 +27,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models import LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, SystemMessage, ToolCallChunk
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -43,15 +43,16 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving.tool_stream import ToolCallStream
 from cacheblend_rag.serving.tools import (
     chosen_tools,
     constrained,
-    read_tool_call,
     tool_functions,
     tools_instruction,
 )
 from cacheblend_rag.store import WarmSummary
-from langchain_cacheblend._messages import render_prompt
+from langchain_cacheblend._messages import reasoning_apart, render_prompt
+from langchain_cacheblend._profile import model_profile
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             spec also works, e.g. ``"tiered:PATH"`` or ``"redis://..."``); unset keeps chunk KV
             in memory. Chat models on the same engine and store share one chunk cache.
         device, dtype: where and in what precision to load the model.
+        chat_template_kwargs: variables of the chat template (``{"enable_thinking": False}`` for Qwen3).
 
     Key init args (blending):
         recompute_ratio, check_layer, selection, deviation, mask, profile_layers, profile_tokens, gate,
@@ -108,11 +110,12 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         .. code-block:: python
 
             msg = llm.invoke("What is the capital of France?")
-            msg.response_metadata["ttft_s"], msg.response_metadata["reused_tokens"]
+            stats = msg.response_metadata["cacheblend"]
+            stats["ttft_s"], stats["reused_tokens"]
 
     Every call (also per call through ``bind``) accepts ``max_tokens``, the sampling options,
     ``timeout`` and the blending options above.
-    ``response_metadata`` carries the blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
+    ``response_metadata["cacheblend"]`` carries the blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
     ``reused_tokens``, ``recomputed_tokens``, ``fresh_tokens``, ``cache_hits``,
     ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
     ``usage_metadata`` counts tokens, with ``input_token_details["cache_read"]`` the prompt
@@ -181,6 +184,30 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         if stop:
             params["ls_stop"] = stop
         return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        # Run after the engine is loaded (CacheBlendSettings' validator comes first).
+        return model_profile(self.get_engine())
+
+    # ------------------------------------------------------------ token counts
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own token ids of ``text`` (no special tokens added), offline; ``custom_get_token_ids``
+        wins where set. LangChain's default would fetch GPT-2's tokenizer from the hub."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return self.get_engine().tokenize(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence[dict[str, Any] | type | Callable | BaseTool] | None = None) -> int:
+        """Tokens of the prompt ``messages`` become: rendered with the chat template, as a call renders them
+        (the template's own tokens and the assistant's opening included), and with ``tools`` described as a
+        call with them bound describes them. What ``trim_messages(token_counter=llm)`` counts."""
+        if not messages:
+            return 0
+        if tools:
+            functions = tool_functions([convert_to_openai_tool(tool) for tool in tools])
+            messages = [SystemMessage(tools_instruction(functions, False)), *messages]
+        return len(self.get_token_ids(render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs)))
 
     # ------------------------------------------------------------------ engine
     def get_engine(self) -> CacheBlendEngine:
@@ -251,24 +278,25 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         started = time.perf_counter()
         if settings.tools:
             messages = [SystemMessage(tools_instruction(settings.tools, settings.tool_required)), *messages]
-        prompt = render_prompt(self.get_engine().tokenizer, messages)
+        prompt = render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs)
         stream = self.service.stream(prompt, settings.generation, settings.blend, reuse=self.reuse_chunk_kv)
-        text = ""
+        # With tools bound, text is held only while the answer may still be a call.
+        calls = ToolCallStream(settings.tools) if settings.tools else None
         try:
             for delta in stream:
                 if settings.timeout is not None and time.perf_counter() - started > settings.timeout:
                     raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
-                text += delta
-                if not settings.tools:  # with tools bound, the answer may be a call: known only at its end
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                shown = calls.feed(delta) if calls is not None else delta
+                if shown:
+                    yield ChatGenerationChunk(message=AIMessageChunk(content=shown))
             served = stream.result()
         finally:
             stream.close()
-        if settings.tools:
-            call = read_tool_call(text, settings.tools)
-            if call is None:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-            else:
+        if calls is not None:
+            rest, call = calls.finish()
+            if rest:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=rest))
+            if call is not None:
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                     ToolCallChunk(name=call.name, args=json.dumps(call.arguments), id=call.id, index=0)]))
         result = served.result
@@ -278,7 +306,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             total_tokens=result.prompt_tokens + result.completion_tokens,
             input_token_details=InputTokenDetails(cache_read=result.stats.reused_tokens),
         )
-        metadata = {"model_name": self.model, "model_provider": "cacheblend", **self.stats_of(served)}
+        # The stats under one key, beside LangChain's own (finish_reason comes from generation_info).
+        metadata = {"model_name": self.model, "model_provider": "cacheblend", "cacheblend": self.stats_of(served)}
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"
@@ -294,7 +323,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         **kwargs: Any,
     ) -> ChatResult:
         # One code path for invoke and stream, so both give the same answer and stats.
-        return generate_from_stream(self._stream(messages, stop=stop, **kwargs))
+        return reasoning_apart(generate_from_stream(self._stream(messages, stop=stop, **kwargs)),
+                               self.get_engine().tokenizer)
 
     async def _astream(
         self,
@@ -370,7 +400,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
+        result = await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
+        return reasoning_apart(result, self.get_engine().tokenizer)
 
 
 def _texts_of(items: Iterable[str | Document]) -> list[str]:

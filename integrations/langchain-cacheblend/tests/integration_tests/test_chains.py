@@ -40,7 +40,7 @@ class MetadataCollector(BaseCallbackHandler):
         self.runs: list[dict[str, Any]] = []
 
     def on_llm_end(self, response: Any, **kwargs: Any) -> None:
-        self.runs.append(response.generations[0][0].message.response_metadata)
+        self.runs.append(response.generations[0][0].message.response_metadata["cacheblend"])
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ class MetadataCollector(BaseCallbackHandler):
         self.runs: list[dict[str, Any]] = []
 
     def on_llm_end(self, response: Any, **kwargs: Any) -> None:
-        self.runs.append(response.generations[0][0].message.response_metadata)
+        self.runs.append(response.generations[0][0].message.response_metadata["cacheblend"])
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_message_lists(llm, ask: Callable[[ChatCacheBlend, list[BaseMessage]], A
         messages.append(HumanMessage(message))
         answer = ask(llm, messages)
         messages.append(AIMessage(answer.content))
-        stats.append(answer.response_metadata)
+        stats.append(answer.response_metadata["cacheblend"])
     check_turns(stats, [turn_bound(llm, m) for m in TURNS])
 
 
@@ -114,7 +114,7 @@ def test_runnable_with_message_history(llm):
         prompt | llm, lambda session: histories.setdefault(session, InMemoryChatMessageHistory()),
         input_messages_key="question", history_messages_key="history")
     config = {"configurable": {"session_id": "one"}}
-    stats = [chain.invoke({"question": message}, config=config).response_metadata for message in TURNS]
+    stats = [chain.invoke({"question": message}, config=config).response_metadata["cacheblend"] for message in TURNS]
     assert len(histories["one"].messages) == 2 * len(TURNS)
     check_turns(stats, [turn_bound(llm, m) for m in TURNS])
 

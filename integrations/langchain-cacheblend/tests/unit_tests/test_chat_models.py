@@ -46,8 +46,8 @@ class TokenCounter(BaseCallbackHandler):
 def test_plain_prompt_is_full_prefill_with_usage(engine) -> None:
     llm = ChatCacheBlend(engine=engine, max_tokens=8)
     message = llm.invoke("Hello")
-    meta = message.response_metadata
-    assert meta["model_name"] == "tiny-llama" and meta["mode"] == "full_prefill"
+    meta = message.response_metadata["cacheblend"]
+    assert message.response_metadata["model_name"] == "tiny-llama" and meta["mode"] == "full_prefill"
     assert meta["cache_hits"] == meta["cache_misses"] == 0 and meta["ttft_s"] > 0
     usage = message.usage_metadata
     assert usage["input_tokens"] == meta["prompt_tokens"] > 0
@@ -61,7 +61,7 @@ def test_warmed_chunks_are_blended_and_counted(engine) -> None:
     summary = llm.warm([Document(page_content=c) for c in CHUNKS], show_progress=False)
     assert summary.new + summary.present == 2
     assert set(CHUNKS) <= set(llm.known_chunk_texts)
-    meta = llm.invoke(_messages()).response_metadata
+    meta = llm.invoke(_messages()).response_metadata["cacheblend"]
     assert meta["mode"] == "blend" and meta["chunks_found"] == 2
     assert meta["cache_hits"] == 2 and meta["cache_misses"] == 0
     # The lead's tokens that an earlier test's prompt shared come from the prefix cache (to the token).
@@ -69,8 +69,9 @@ def test_warmed_chunks_are_blended_and_counted(engine) -> None:
     assert 0 < meta["recomputed_tokens"] < meta["cached_tokens"]
     assert meta["reused_tokens"] == meta["cached_tokens"] - meta["recomputed_tokens"]
     again = llm.invoke(_messages())  # its lead now comes from the prefix cache too
-    assert again.usage_metadata["input_token_details"]["cache_read"] == again.response_metadata["reused_tokens"]
-    assert again.response_metadata["reused_tokens"] >= meta["reused_tokens"]
+    again_stats = again.response_metadata["cacheblend"]
+    assert again.usage_metadata["input_token_details"]["cache_read"] == again_stats["reused_tokens"]
+    assert again_stats["reused_tokens"] >= meta["reused_tokens"]
 
 
 def test_announced_but_uncached_chunks_are_computed_on_the_fly(engine) -> None:
@@ -78,10 +79,10 @@ def test_announced_but_uncached_chunks_are_computed_on_the_fly(engine) -> None:
     # request's approximate blocks), not as chunks read from the store.
     llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=4, prefix_cache_bytes=0)
     llm.announce_chunks(CHUNKS)
-    first = llm.invoke(_messages()).response_metadata
+    first = llm.invoke(_messages()).response_metadata["cacheblend"]
     assert first["cache_misses"] == 2 and first["cache_hits"] == 0
     llm.chunk_cache.flush()  # the missed chunks are written back on a writer thread
-    second = llm.invoke(_messages()).response_metadata
+    second = llm.invoke(_messages()).response_metadata["cacheblend"]
     assert second["cache_hits"] == 2 and second["cache_misses"] == 0
 
 
@@ -90,8 +91,9 @@ def test_ratio_one_equals_the_plain_model(engine) -> None:
     blended.warm(CHUNKS, show_progress=False)
     plain = ChatCacheBlend(engine=engine, max_tokens=12, prefix_cache_bytes=0)
     a, b = blended.invoke(_messages()), plain.invoke(_messages())
-    assert a.response_metadata["mode"] == "blend" and b.response_metadata["mode"] == "full_prefill"
-    assert a.response_metadata["prompt_tokens"] == b.response_metadata["prompt_tokens"]
+    a_stats, b_stats = a.response_metadata["cacheblend"], b.response_metadata["cacheblend"]
+    assert a_stats["mode"] == "blend" and b_stats["mode"] == "full_prefill"
+    assert a_stats["prompt_tokens"] == b_stats["prompt_tokens"]
     assert a.content == b.content
 
 
@@ -127,7 +129,7 @@ def test_bind_and_call_options(engine) -> None:
     assert llm.with_config(tags=["x"]).invoke("Hello").content == full
     blend_override = llm.bind(recompute_ratio=0.0)
     llm.warm(CHUNKS, show_progress=False)
-    assert blend_override.invoke(_messages()).response_metadata["mode"] == "full_reuse"
+    assert blend_override.invoke(_messages()).response_metadata["cacheblend"]["mode"] == "full_reuse"
     assert llm._blend_config({"profile_layers": 2}).profile_layers == 2
     assert ChatCacheBlend(engine=engine, profile_layers=3)._blend_config({}).profile_layers == 3
     assert llm._blend_config({"profile_tokens": 5}).profile_tokens == 5
@@ -217,7 +219,7 @@ def test_store_path_keeps_chunk_kv_on_disk(tmp_path) -> None:
     # Another engine of the same weights (as in a new process) finds the chunks on disk.
     second = ChatCacheBlend(engine=tiny_engine("llama"), store_path=str(tmp_path / "kv"), max_tokens=4)
     assert second.warm(CHUNKS, show_progress=False).present == 2
-    assert second.invoke(_messages()).response_metadata["cache_hits"] == 2
+    assert second.invoke(_messages()).response_metadata["cacheblend"]["cache_hits"] == 2
 
 
 def test_unusable_store_path_fails_at_construction(tmp_path) -> None:
@@ -252,10 +254,10 @@ def test_a_saved_calibration_is_used_unless_a_setting_is_given(engine, tmp_path)
     assert llm.config_source == f"calibrated: {path}" and not llm.conditions_chunks
     assert llm._blend_config({}) == BlendConfig(**result.chosen.config)
     llm.warm(CHUNKS, show_progress=False)
-    meta = llm.invoke(_messages()).response_metadata
+    meta = llm.invoke(_messages()).response_metadata["cacheblend"]
     assert meta["mode"] == "blend" and meta["blend_setting"] == result.chosen.name
     assert meta["config_source"] == f"calibrated: {path}" and meta["condition_chunks"] is False
-    assert llm.invoke(_messages(), recompute_ratio=0.5).response_metadata["config_source"] == "user"
+    assert llm.invoke(_messages(), recompute_ratio=0.5).response_metadata["cacheblend"]["config_source"] == "user"
 
     mine = ChatCacheBlend(engine=engine, calibration_dir=str(tmp_path), selection="kv_deviation")
     assert mine.config_source == "user" and mine._blend_config({}) == BlendConfig(selection="kv_deviation")

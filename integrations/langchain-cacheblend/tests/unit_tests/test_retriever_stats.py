@@ -24,7 +24,7 @@ class FixedRetriever(BaseRetriever):
 def _ask(llm: ChatCacheBlend, retriever: CacheBlendRetriever) -> dict:
     context = "\n\n".join(d.page_content for d in retriever.invoke("Who won two Nobel prizes?"))
     messages = [SystemMessage(f"Answer from the context.\nContext:\n{context}\n"), HumanMessage("Who?")]
-    return llm.invoke(messages).response_metadata
+    return llm.invoke(messages).response_metadata["cacheblend"]
 
 
 def test_chunks_the_retriever_computes_for_a_query_are_not_store_hits() -> None:

@@ -13,7 +13,7 @@ stats in ``additional_kwargs`` (and ``raw``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -25,8 +25,10 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
+    ThinkingBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -35,7 +37,11 @@ from cacheblend_rag.concurrency import iterate_in_thread, run_in_thread
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
+from cacheblend_rag.serving.service import BlendService
+from cacheblend_rag.serving.thinking import split_thinking, thinks
+from cacheblend_rag.serving.tool_stream import ToolCallStream
 from cacheblend_rag.serving.tools import (
+    ToolCall,
     call_text,
     chosen_tools,
     constrained,
@@ -84,6 +90,10 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     _last_prompt: Optional[str] = PrivateAttr(default=None)
     _last_stats: Optional[Dict[str, Any]] = PrivateAttr(default=None)
 
+    # Pickled without the model, attached again on first use (cacheblend_rag.serving.pickling); BaseComponent's
+    # own would re-run __init__ on unpickling, loading the model at once.
+    __setstate__ = CacheBlendSettings.__setstate__
+
     def __init__(self, **kwargs: Any) -> None:
         """``engine=`` and ``chunk_cache=`` let several LLMs share one loaded model and one store."""
         custom_messages = kwargs.get("messages_to_prompt") is not None
@@ -106,6 +116,23 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     def _validate_settings(self) -> None:
         self.generation_config  # a bad value fails here, before the model is loaded
 
+    @field_validator("context_window")
+    @classmethod
+    def _context_window_is_positive(cls, value: Optional[int]) -> Optional[int]:
+        if value is not None and value < 1:
+            raise ValueError(f"context_window={value} must be a positive number of tokens (prompt and answer), "
+                             "or None for the model's own")
+        return value
+
+    def _open_service(self) -> BlendService:
+        service = super()._open_service()
+        # Known only once the engine is: LlamaIndex would build prompts the model cannot hold.
+        own = self.engine.context_window
+        if self.context_window is not None and self.context_window > own:
+            raise ValueError(f"context_window={self.context_window} is above {self.engine.model_name}'s own "
+                             f"context window of {own} tokens; pass at most {own}, or None to take the model's")
+        return service
+
     @property
     def generation_config(self) -> GenerationConfig:
         return self.generation_config_with(self.max_new_tokens, self.stop, {})
@@ -126,6 +153,13 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         if self.is_chat_model is not None:
             return self.is_chat_model
         return bool(getattr(self.engine.tokenizer, "chat_template", None))
+
+    @property
+    def tokenizer_fn(self) -> Callable[[str], List[int]]:
+        """The model's own tokenizer, as LlamaIndex's token counters take one: ``Settings.tokenizer =
+        llm.tokenizer_fn`` makes memory buffers, the prompt helper and ``TokenCountingHandler`` count the
+        model's tokens (LlamaIndex's default is tiktoken's, another model's)."""
+        return self.engine.tokenize
 
     @property
     def last_prompt(self) -> Optional[str]:
@@ -158,7 +192,8 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         if self._custom_messages_to_prompt or not getattr(tokenizer, "chat_template", None):
             return self.messages_to_prompt(messages)
         turns = [{"role": _role_name(m.role), "content": _content(m)} for m in messages]
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
+                                             **self.chat_template_kwargs)
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
         if formatted:
@@ -222,10 +257,42 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         call = read_tool_call(response.message.content or "", tools) if tools else None
         if call is None:
             return response
-        message = ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
-            "tool_calls": [{"id": call.id, "name": call.name, "arguments": call.arguments}]})
-        return ChatResponse(message=message, delta=response.delta, additional_kwargs=response.additional_kwargs,
-                            raw=response.raw)
+        return ChatResponse(message=_call_message(call), delta=response.delta,
+                            additional_kwargs=response.additional_kwargs, raw=response.raw)
+
+    def _stream_chat_with_tools(self, prompt: str, kwargs: Dict[str, Any]) -> Iterator[ChatResponse]:
+        """Text streams as soon as it cannot be the start of a call; the last response carries the stats
+        and, when the answer was a call, the call (as :meth:`chat` gives it)."""
+        calls = ToolCallStream(self._tools(kwargs)[0])
+        shown, previous = "", None
+        for response in self._generate_stream(prompt, kwargs):  # its last response carries the stats
+            if previous is not None:
+                delta = calls.feed(previous.delta or "")
+                if delta:
+                    shown += delta
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=shown), delta=delta)
+            previous = response
+        assert previous is not None  # _generate_stream always ends with the response carrying the stats
+        delta = calls.feed(previous.delta or "")
+        rest, call = calls.finish()
+        delta += rest
+        shown += delta
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=shown) if call is None else _call_message(call)
+        yield ChatResponse(message=message, delta=delta, additional_kwargs=previous.additional_kwargs,
+                           raw=previous.raw)
+
+    def _thinking_apart(self, response: ChatResponse) -> ChatResponse:
+        """A thinking model's ``<think>...</think>`` as the message's thinking block, apart from its text
+        (``message.content`` is then the answer alone, and a later turn's prompt leaves the thinking out)."""
+        text = response.message.content
+        if not text or not thinks(self.engine.tokenizer):
+            return response
+        thought = split_thinking(text)
+        if thought.answer == text:
+            return response
+        blocks = [ThinkingBlock(content=thought.reasoning), TextBlock(text=thought.answer)]
+        message = response.message.model_copy(update={"blocks": blocks})
+        return response.model_copy(update={"message": message})
 
     # ------------------------------------------------------------ generation
     def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
@@ -285,14 +352,19 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         response = _as_chat(self._generate(self._render_messages(self._with_tools(messages, kwargs)), kwargs))
-        return self._as_tool_call(response, kwargs)
+        return self._thinking_apart(self._as_tool_call(response, kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         prompt = self._render_messages(self._with_tools(messages, kwargs))
-        if self._tools(kwargs)[0]:  # the answer may be a call: known only at its end
-            return iter([self._as_tool_call(_as_chat(self._generate(prompt, kwargs)), kwargs)])
-        return (_as_chat(r) for r in self._generate_stream(prompt, kwargs))
+        return self._stream_chat(prompt, kwargs)
+
+    def _stream_chat(self, prompt: str, kwargs: Dict[str, Any]) -> ChatResponseGen:
+        # A generator (not any iterator): LlamaIndex's callback decorator wraps only generators.
+        if self._tools(kwargs)[0]:
+            yield from self._stream_chat_with_tools(prompt, kwargs)
+        else:
+            yield from (_as_chat(r) for r in self._generate_stream(prompt, kwargs))
 
     # Async: the engine runs on the scheduler's worker thread, so the event loop stays free.
     @llm_completion_callback()
@@ -310,22 +382,15 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt = self._render_messages(self._with_tools(messages, kwargs))
         response = await self._agenerate(prompt, kwargs)
-        return self._as_tool_call(_as_chat(response), kwargs)
+        return self._thinking_apart(self._as_tool_call(_as_chat(response), kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        if self._tools(kwargs)[0]:
-            response = await self.achat(messages, **kwargs)
-
-            async def once() -> ChatResponseAsyncGen:
-                yield response
-
-            return once()
-        prompt = self._render_messages(messages)
+        prompt = self._render_messages(self._with_tools(messages, kwargs))
 
         async def gen() -> ChatResponseAsyncGen:
-            async for response in iterate_in_thread(lambda: self._generate_stream(prompt, kwargs)):
-                yield _as_chat(response)
+            async for response in iterate_in_thread(lambda: self._stream_chat(prompt, kwargs)):
+                yield response
 
         return gen()
 
@@ -335,6 +400,12 @@ def _content(message: ChatMessage) -> str:
     calls = message.additional_kwargs.get("tool_calls") or []
     text = "\n".join(call_text(c["name"], c["arguments"]) for c in calls if isinstance(c, dict) and "name" in c)
     return "\n".join(part for part in (message.content or "", text) if part)
+
+
+def _call_message(call: ToolCall) -> ChatMessage:
+    """An assistant message that is ``call``, in the form ``get_tool_calls_from_response`` reads."""
+    return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
+        "tool_calls": [{"id": call.id, "name": call.name, "arguments": call.arguments}]})
 
 
 def _role_name(role: Any) -> str:

@@ -34,6 +34,10 @@ class CacheBlendKVPrecompute(TransformComponent):
 
     @model_validator(mode="after")
     def _fill_target(self) -> "CacheBlendKVPrecompute":
+        if self.target and not self.llm.engine_attached:
+            # Unpickled (IngestionPipeline's workers re-run __init__): the target came along, and the llm
+            # loads its model when the transform first runs, not here.
+            return self
         cache = self.llm.chunk_cache
         store = self.llm.store_path or f"memory:{id(cache):x}"
         # The conditioning prefix is part of every chunk key: another prefix must run again.

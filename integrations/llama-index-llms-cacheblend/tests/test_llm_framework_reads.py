@@ -1,0 +1,101 @@
+"""What LlamaIndex reads off CacheBlendLLM beside answers: the context window (checked against the
+model's), the model's own tokenizer for token counting, chat template variables, a thinking model's
+reasoning as the message's thinking block, and argument hints."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict
+
+import pytest
+from llama_index.core.base.llms.types import CompletionResponse, ThinkingBlock
+from llama_index.core.llms import ChatMessage
+from llama_index.core.memory import ChatMemoryBuffer
+from pydantic import ValidationError
+
+from cacheblend_rag.testing import CHAT_TEMPLATE, tiny_engine
+from llama_index.llms.cacheblend import CacheBlendLLM
+
+# ChatML, with Qwen3's switch: enable_thinking=False writes an empty thinking block after the opening.
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+)
+SCRIPT = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    engine = tiny_engine("qwen3")
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    return engine
+
+
+def test_context_window_is_checked_against_the_model(engine) -> None:
+    with pytest.raises(ValidationError, match="context_window=-1 must be a positive number"):
+        CacheBlendLLM.from_engine(engine, context_window=-1)
+    with pytest.raises(ValidationError, match=r"context_window=100000 is above tiny-llama's own context window "
+                                              r"of 4096 tokens; pass at most 4096"):
+        CacheBlendLLM.from_engine(engine, context_window=100_000)
+    assert CacheBlendLLM.from_engine(engine, context_window=1024).metadata.context_window == 1024
+    assert CacheBlendLLM.from_engine(engine).metadata.context_window == 4096
+
+
+def test_token_counting_uses_the_model_tokenizer(engine) -> None:
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=3)
+    assert llm.tokenizer_fn("hello world") == engine.tokenize("hello world")
+    memory = ChatMemoryBuffer.from_defaults(llm=llm, tokenizer_fn=llm.tokenizer_fn, token_limit=30)
+    for turn in range(8):
+        memory.put(ChatMessage(role="user", content=f"Question {turn} about Paris and France?"))
+    kept = memory.get()
+    assert 0 < len(kept) < 8
+    assert sum(len(llm.tokenizer_fn(m.content)) for m in kept) <= 30
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3) -> None:
+    question = [ChatMessage(role="user", content="What is the capital of France?")]
+    plain = CacheBlendLLM.from_engine(qwen3, max_new_tokens=2)
+    plain.chat(question)
+    assert not plain.last_prompt.endswith("</think>\n\n")
+    off = CacheBlendLLM.from_engine(qwen3, max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    off.chat(question)
+    assert off.last_prompt == plain.last_prompt + "<think>\n\n</think>\n\n"
+    with pytest.raises(ValidationError, match="must be a dict"):
+        CacheBlendLLM.from_engine(qwen3, chat_template_kwargs=["enable_thinking"])
+
+
+class Scripted(CacheBlendLLM):
+    """Answers with a fixed text, as a thinking model writes it (the tiny model's own text is random)."""
+
+    def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
+        return super()._generate(prompt, kwargs).model_copy(update={"text": SCRIPT})
+
+    async def _agenerate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
+        return (await super()._agenerate(prompt, kwargs)).model_copy(update={"text": SCRIPT})
+
+
+def test_thinking_is_the_messages_thinking_block(qwen3, engine) -> None:
+    question = [ChatMessage(role="user", content="What is the capital of France?")]
+    for response in (Scripted.from_engine(qwen3, max_new_tokens=2).chat(question),
+                     asyncio.run(Scripted.from_engine(qwen3, max_new_tokens=2).achat(question))):
+        assert response.message.content == "Paris."
+        thinking = [b for b in response.message.blocks if isinstance(b, ThinkingBlock)]
+        assert [b.content for b in thinking] == ["The capital of France is Paris."]
+        assert response.additional_kwargs["prompt_tokens"] > 0  # the stats stay where they were
+    # A model whose tokenizer has no thinking tags answers with whatever text it wrote.
+    assert Scripted.from_engine(engine, max_new_tokens=2).chat(question).message.content == SCRIPT
+
+
+@pytest.mark.parametrize(("given", "hint"), [
+    ("max_tokens", "did you mean 'max_new_tokens'"),
+    ("stop_sequences", "did you mean 'stop'"),
+    ("trust_remote_code", "model_kwargs="),
+])
+def test_other_libraries_names_get_ours(engine, given: str, hint: str) -> None:
+    with pytest.raises(ValidationError, match=hint):
+        CacheBlendLLM.from_engine(engine, **{given: 8})

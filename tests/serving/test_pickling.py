@@ -1,0 +1,139 @@
+"""Integration objects pickle without their model (a few KB, not 514 MB) and attach to it again on first
+use: in this process the same engine and chunk cache, in another one the engine loaded there once through
+the registry (cacheblend_rag.serving.pickling). An engine the caller built cannot travel: using such an
+object elsewhere is an error that says what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from langchain_cacheblend import ChatCacheBlend
+from langchain_core.load import dumpd, load
+from llama_index.core import Document
+from llama_index.core.ingestion import IngestionPipeline
+from llama_index.llms.cacheblend import CacheBlendLLM
+from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBlendNodePostprocessor
+
+from cacheblend_rag.testing import tiny_engine
+
+PROMPT = "Context: Paris is the capital of France.\nQuestion: what is the capital of France? Answer:"
+SMALL = 1 << 20
+
+
+def answer(llm) -> str:
+    if isinstance(llm, ChatCacheBlend):
+        return llm.invoke(PROMPT).content
+    return llm.complete(PROMPT, formatted=True).text
+
+
+def in_another_process(tmp_path: Path, pickled: bytes, code: str) -> dict:
+    """Run ``code`` in a fresh Python that has unpickled ``pickled`` as ``llm``; it sets ``result``."""
+    (tmp_path / "llm.pkl").write_bytes(pickled)
+    script = "import json, pickle, sys\nllm = pickle.loads(open(sys.argv[1], 'rb').read())\nresult = {}\n"
+    script += textwrap.dedent(code) + "\nopen(sys.argv[2], 'w').write(json.dumps(result))\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "llm.pkl"), str(tmp_path / "out.json")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("cls", [CacheBlendLLM, ChatCacheBlend])
+def test_a_pickle_is_small_and_its_copy_answers_the_same(cls) -> None:
+    llm = cls(model="tiny-llama", temperature=0, recompute_ratio=0.3, **{cls._max_tokens_field: 6})
+    pickled = pickle.dumps(llm)
+    assert len(pickled) < SMALL
+    again = pickle.loads(pickled)
+    assert not again.engine_attached  # attached on first use, not by unpickling
+    assert (again.recompute_ratio, again.model_fields_set) == (llm.recompute_ratio, llm.model_fields_set)
+    assert answer(again) == answer(llm)
+    assert again.engine is llm.engine and again.chunk_cache is llm.chunk_cache
+    assert again.config_source == llm.config_source
+    assert len(pickle.dumps(pickle.loads(pickled))) < SMALL  # pickled again before any use
+
+
+def test_an_engine_of_the_callers_comes_back_in_this_process_only(tmp_path) -> None:
+    engine = tiny_engine("llama", seed=3)
+    llm = CacheBlendLLM(engine=engine, temperature=0, max_new_tokens=4)
+    pickled = pickle.dumps(llm)
+    assert pickle.loads(pickled).engine is engine
+    result = in_another_process(tmp_path, pickled, """
+        from cacheblend_rag.errors import ConfigError
+        from cacheblend_rag.testing import tiny_engine
+        try:
+            llm.complete("Hello")
+        except ConfigError as exc:
+            result["error"] = str(exc)
+        result["attached"] = llm.engine_attached
+        llm.attach_engine(tiny_engine("llama", seed=3))
+        result["text"] = llm.complete("Hello").text
+    """)
+    assert "unpickled without its model" in result["error"] and ".attach_engine(engine)" in result["error"]
+    assert "build the CacheBlendLLM where it is used" in result["error"] and result["attached"] is False
+    assert result["text"] == llm.complete("Hello").text
+
+
+def test_another_process_loads_the_model_once_through_the_registry(tmp_path) -> None:
+    llm = ChatCacheBlend(model="tiny-llama", temperature=0, max_tokens=6, store_path=str(tmp_path / "store"))
+    result = in_another_process(tmp_path, pickle.dumps(llm), f"""
+        from langchain_cacheblend import ChatCacheBlend
+        result["text"] = llm.invoke({PROMPT!r}).content
+        result["shared"] = ChatCacheBlend(model="tiny-llama", device="cpu").engine is llm.engine
+    """)
+    assert result == {"text": answer(llm), "shared": True}
+
+
+def test_a_chunk_cache_of_the_callers_cannot_travel(tmp_path) -> None:
+    from cacheblend_rag.serving import chunk_cache_for, shared_engine
+
+    engine = shared_engine("tiny-llama")
+    cache = chunk_cache_for(engine, str(tmp_path / "elsewhere"))
+    llm = CacheBlendLLM(engine=engine, chunk_cache=cache)
+    result = in_another_process(tmp_path, pickle.dumps(llm), """
+        try:
+            llm.complete("Hello")
+        except Exception as exc:
+            result["error"] = str(exc)
+    """)
+    assert "without its chunk cache" in result["error"] and "store_path=" in result["error"]
+
+
+def test_langchain_serialization_is_unaffected() -> None:
+    llm = ChatCacheBlend(model="tiny-llama", recompute_ratio=0.3, max_tokens=5)
+    for source in (llm, pickle.loads(pickle.dumps(llm))):
+        again = load(dumpd(source), valid_namespaces=["langchain_cacheblend"], allowed_objects=[ChatCacheBlend])
+        assert (again.recompute_ratio, again.max_tokens, again.engine) == (0.3, 5, llm.engine)
+
+
+def test_an_ingestion_pipeline_precomputes_in_two_worker_processes(tmp_path) -> None:
+    store = str(tmp_path / "store")
+    llm = CacheBlendLLM(model="tiny-llama", store_path=store)
+    transform = CacheBlendKVPrecompute(llm=llm)
+    assert len(pickle.dumps(transform)) < SMALL and len(pickle.dumps(CacheBlendNodePostprocessor(llm=llm))) < SMALL
+    assert pickle.loads(pickle.dumps(transform)).target == transform.target
+    documents = [Document(text=f"Fact {i}: the river number {i} flows into sea {i % 3}.") for i in range(8)]
+    nodes = IngestionPipeline(transformations=[transform]).run(documents=documents, num_workers=2)
+    assert len(nodes) == 8
+    # The workers stored every node's KV; here each one is a store hit.
+    summary = llm.precompute([n.get_content(metadata_mode="llm") for n in nodes])
+    assert (summary.new, summary.present) == (0, 8)
+
+
+@pytest.mark.slow
+def test_the_default_llm_pickles_small_and_answers_the_same(tmp_path) -> None:
+    """The issue's 514 MB: pickle.dumps(CacheBlendLLM()) held SmolLM2's weights."""
+    llm = CacheBlendLLM(max_new_tokens=8, temperature=0)
+    pickled = pickle.dumps(llm)
+    assert len(pickled) < SMALL
+    assert answer(pickle.loads(pickled)) == answer(llm)
+    result = in_another_process(tmp_path, pickled, f"""
+        result["text"] = llm.complete({PROMPT!r}, formatted=True).text
+    """)
+    assert result["text"] == answer(llm)
