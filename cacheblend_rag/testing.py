@@ -111,3 +111,18 @@ def save_tiny_model(folder: str | Path, arch: str = "llama") -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# ChatML, with Qwen3's switch: enable_thinking=False writes an empty thinking block after the opening.
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+)
+
+
+def tiny_thinking_engine():
+    """A tiny Qwen3 whose chat template honours ``enable_thinking``, as Qwen3's does: for the integrations'
+    thinking tests (``chat_template_kwargs``, reasoning kept apart from the answer)."""
+    engine = tiny_engine("qwen3")
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    return engine

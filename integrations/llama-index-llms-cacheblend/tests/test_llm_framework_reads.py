@@ -13,14 +13,9 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import ChatMemoryBuffer
 from pydantic import ValidationError
 
-from cacheblend_rag.testing import CHAT_TEMPLATE, tiny_engine
+from cacheblend_rag.testing import tiny_engine, tiny_thinking_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 
-# ChatML, with Qwen3's switch: enable_thinking=False writes an empty thinking block after the opening.
-THINKING_TEMPLATE = CHAT_TEMPLATE + (
-    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-)
 SCRIPT = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
 
 
@@ -31,9 +26,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def qwen3():
-    engine = tiny_engine("qwen3")
-    engine.tokenizer.chat_template = THINKING_TEMPLATE
-    return engine
+    return tiny_thinking_engine()
 
 
 def test_context_window_is_checked_against_the_model(engine) -> None:

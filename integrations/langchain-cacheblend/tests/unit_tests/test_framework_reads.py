@@ -15,15 +15,10 @@ from langchain_core.outputs import ChatGenerationChunk
 from langchain_core.tools import tool
 from pydantic import ValidationError
 
-from cacheblend_rag.testing import CHAT_TEMPLATE, tiny_engine
+from cacheblend_rag.testing import tiny_engine, tiny_thinking_engine
 from langchain_cacheblend import ChatCacheBlend
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-# ChatML, with Qwen3's switch: enable_thinking=False writes an empty thinking block after the opening.
-THINKING_TEMPLATE = CHAT_TEMPLATE + (
-    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +28,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def qwen3():
-    engine = tiny_engine("qwen3")
-    engine.tokenizer.chat_template = THINKING_TEMPLATE
-    return engine
+    return tiny_thinking_engine()
 
 
 @tool
