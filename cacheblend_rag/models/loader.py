@@ -23,12 +23,17 @@ from typing import Any
 
 import torch
 
-from cacheblend_rag.errors import ModelLoadError, UnsupportedArchitectureError
+from cacheblend_rag.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, parse_dtype
 from cacheblend_rag.models.fingerprint import record_weights_source
-from cacheblend_rag.models.placement import place_on_device, quantized_load_placement
+from cacheblend_rag.models.placement import (
+    load_quantization,
+    place_on_device,
+    quantized_load_placement,
+    unrunnable_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,13 +205,21 @@ def load_model(
     dt = choice.dtype
     loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
     # Quantized weights are placed on the device by transformers, not moved there afterwards (models.placement).
-    placement = quantized_load_placement(
-        None if "quantization_config" in model_kwargs else _read_config(target, hub_options, model_kwargs),
-        model_kwargs, dev)
+    model_config = None if "quantization_config" in model_kwargs else _read_config(target, hub_options, model_kwargs)
+    quantization = load_quantization(model_config, model_kwargs)
+    placement = quantized_load_placement(model_config, model_kwargs, dev)
     try:
         if loaded_tokenizer is None:
             loaded_tokenizer = AutoTokenizer.from_pretrained(target, **hub_options)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs, **placement)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, **hub_options, **model_kwargs, **placement)
+        except (ImportError, RuntimeError, ValueError) as exc:
+            if quantization is None:
+                raise
+            # transformers' quantizers refuse a device their kernels do not run on (or a missing library).
+            raise unrunnable_quantization(quantization, dev, exc) from exc
+    except ConfigError:
+        raise
     except (OSError, ValueError) as exc:
         if folder is None:
             raise ModelLoadError(

@@ -5,7 +5,9 @@ parameters that are not floating point) are laid out for the device their kernel
 transformers refuses, or mishandles, moving them with ``.to()``. So a quantized load asks
 transformers to place the weights on the requested device itself (``device_map``), and a model that
 ends up quantized somewhere else is refused with an error that says where its weights are and what
-to pass instead. A GGUF is not quantized by this measure: transformers dequantises it to float at load.
+to pass instead. A quantization that transformers cannot load on the device asked for (its kernels need a
+GPU, or a library this machine lacks) is refused naming the quantization, the device and the float or GGUF
+alternative. A GGUF is not quantized by this measure: transformers dequantises it to float at load.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.errors import ConfigError, ModelLoadError
 
 # transformers marks a model read from a GGUF with this quant_method, but its weights are plain floats.
 DEQUANTISED_METHODS = frozenset({"gguf"})
@@ -56,14 +58,35 @@ def weights_quantization(model: torch.nn.Module) -> str | None:
     return f"{', '.join(dtypes)} parameters" if dtypes else None
 
 
+def load_quantization(model_config: Any, model_kwargs: dict[str, Any]) -> str | None:
+    """The quantization a load asks for, in words (a ``quantization_config`` in ``model_kwargs`` or in the
+    checkpoint's config); ``None`` for a float load."""
+    return describe_quantization(
+        model_kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None))
+
+
 def quantized_load_placement(model_config: Any, model_kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Extra ``from_pretrained`` arguments for a load onto ``device``: ``device_map`` when the load is
     quantized (a ``quantization_config`` in ``model_kwargs`` or in the checkpoint's config), so that
     transformers places the weights there itself; nothing for a float load, which ``.to()`` moves."""
-    quantization = model_kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None)
-    if describe_quantization(quantization) is None:
+    if load_quantization(model_config, model_kwargs) is None:
         return {}
     return {"device_map": {"": str(device)}}
+
+
+def unrunnable_quantization(quantization: str, device: torch.device, reason: BaseException) -> ConfigError:
+    """The error for quantized weights that transformers cannot load on ``device`` (``reason``: its own
+    refusal, e.g. no GPU for a GPTQ kernel, bitsandbytes not installed or built without this device),
+    naming the quantization, the device and what to pass instead."""
+    on_gpu = device.type == "cuda"
+    elsewhere = ("install the kernels transformers names above for this GPU" if on_gpu
+                 else "load these weights on a GPU (device='cuda') where their kernels run")
+    return ConfigError(
+        f"{quantization} weights cannot be loaded on {device}: transformers refuses ({type(reason).__name__}: "
+        f"{reason}). Quantized weights run only where their kernels do; {elsewhere}, or load the model's float "
+        "checkpoint (with dtype='bfloat16' or 'float16' for half the memory of float32) or its GGUF file "
+        "(model='path/to/model.gguf', dequantised to float at load), which run on any device"
+    )
 
 
 def _on(actual: torch.device, wanted: torch.device) -> bool:

@@ -96,3 +96,46 @@ def test_load_model_places_quantized_weights_instead_of_moving_them(where, tmp_p
     loaded = load_model(tmp_path, device="cpu", dtype="float32", model_kwargs=options)
     assert asked["device_map"] == {"": "cpu"}
     assert weights_quantization(loaded.model) == "bitsandbytes 4-bit" and loaded.adapter is not None
+
+
+@pytest.mark.parametrize(("refusal", "device", "advice"), [
+    # What transformers' quantizers raise where the kernels cannot run (no bitsandbytes here: stubbed).
+    (ImportError("Using `bitsandbytes` 4-bit quantization requires bitsandbytes: `pip install -U bitsandbytes>=0.46.1`"),
+     "cpu", "load these weights on a GPU \\(device='cuda'\\)"),
+    (RuntimeError("GPU is required to quantize or run quantize model."), "cpu", "on a GPU"),
+    (ValueError("Some modules are dispatched on the CPU or the disk."), "cpu", "on a GPU"),
+])
+def test_quantized_weights_the_device_cannot_run_are_refused_naming_what_to_do(
+        refusal, device, advice, tmp_path, monkeypatch):
+    import transformers
+
+    from cacheblend_rag import ConfigError
+
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": BNB_4BIT}))
+
+    def from_pretrained(target, **kwargs):
+        raise refusal
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(ConfigError, match=rf"bitsandbytes 4-bit weights cannot be loaded on {device}: transformers "
+                                          rf"refuses \({type(refusal).__name__}: .*{advice}.*float checkpoint.*GGUF"):
+        load_model(tmp_path, device=device, dtype="float32")
+
+
+def test_a_float_load_keeps_transformers_own_error(tmp_path, monkeypatch):
+    import transformers
+
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    def from_pretrained(target, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(RuntimeError, match="^out of memory$"):
+        load_model(tmp_path, device="cpu", dtype="float32")
