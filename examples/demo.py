@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cacheblend_rag.data import DemoQuestion, load_demo_corpus, load_demo_questions
+from cacheblend_rag.serving.token_sources import exact_prefix_tokens, mean_origin_shares, origins_text, token_origins
 
 try:
     import faiss
@@ -158,13 +159,7 @@ class Answer:
 
     def origins(self) -> dict[str, int]:
         """Prompt tokens by where their K/V came from; the counts add up to ``prompt_tokens``."""
-        return {
-            "chunk store": max(0, self.loaded_tokens - self.prefix_tokens - self.segment_tokens),
-            "prefix cache": self.prefix_tokens,
-            "earlier spans": self.segment_tokens,
-            "chunks computed on a miss": max(0, self.cached_tokens - self.loaded_tokens),
-            "fresh": self.fresh_tokens,
-        }
+        return token_origins(asdict(self))
 
 
 def ask(query_engine: Any, llm: CacheBlendLLM, item: DemoQuestion) -> Answer:
@@ -201,18 +196,11 @@ def compare(
     return pairs
 
 
-def _origins_text(counts: dict[str, float], exact_prefix_cache: float, unit: str = "") -> str:
-    parts = [f"{name} {value:{unit}}" + (f" (exact {exact_prefix_cache:{unit}})" if name == "prefix cache" else "")
-             for name, value in counts.items()]
-    return ", ".join(parts)
-
-
 def print_comparison(pairs: Sequence[tuple[Answer, Answer]]) -> None:
     for blended, full in pairs:
-        exact_prefix_cache = blended.prefix_tokens - blended.approximate_prefix_tokens
         print(f"\nQ: {blended.question}   (expected: {blended.expected})")
         print(f"  CacheBlend    TTFT {blended.ttft_s:6.3f}s  {blended.prompt_tokens} tokens by origin: "
-              f"{_origins_text(blended.origins(), exact_prefix_cache, 'd')}\n"
+              f"{origins_text(blended.origins(), exact_prefix_tokens(asdict(blended)), 'd')}\n"
               f"                of the {blended.cached_tokens} cached: recomputed {blended.recomputed_tokens}, "
               f"reused as is {blended.reused_tokens} (exact prefix {blended.exact_tokens}); chunks: "
               f"hits {blended.cache_hits}, misses {blended.cache_misses}\n                -> {blended.answer}")
@@ -227,9 +215,8 @@ def print_comparison(pairs: Sequence[tuple[Answer, Answer]]) -> None:
     print(f"\nmedian TTFT over {n} questions, each asked once after an untimed warm-up on another question: "
           f"CacheBlend {ttft_blend:.3f}s, full prefill {ttft_full:.3f}s "
           f"({ttft_full / ttft_blend:.1f}x faster to the first token)")
-    shares = {name: sum(b.origins()[name] / b.prompt_tokens for b, _ in pairs) / n for name in pairs[0][0].origins()}
-    exact_prefix_cache = sum((b.prefix_tokens - b.approximate_prefix_tokens) / b.prompt_tokens for b, _ in pairs) / n
-    print(f"prompt tokens by origin of their K/V, mean share: {_origins_text(shares, exact_prefix_cache, '.0%')}")
+    shares, exact_prefix = mean_origin_shares([asdict(b) for b, _ in pairs])
+    print(f"prompt tokens by origin of their K/V, mean share: {origins_text(shares, exact_prefix, '.0%')}")
     recomputed = sum(b.recomputed_tokens / b.prompt_tokens for b, _ in pairs) / n
     reused = sum(b.reused_tokens / b.prompt_tokens for b, _ in pairs) / n
     print(f"of all prompt tokens, cached K/V recomputed {recomputed:.0%}, reused as is {reused:.0%} (chunk store, "

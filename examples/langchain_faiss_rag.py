@@ -25,6 +25,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_huggingface import HuggingFaceEmbeddings
 
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
+from cacheblend_rag.serving.token_sources import exact_prefix_tokens, mean_origin_shares, origins_text, token_origins
 from langchain_cacheblend import CacheBlendRetriever, ChatCacheBlend
 
 SMALL = os.environ.get("CACHEBLEND_EXAMPLE_SMALL", "0") == "1"
@@ -105,7 +106,10 @@ full_prefill_chain = rag_chain(vectorstore.as_retriever(search_kwargs={"k": TOP_
 #
 # The first blend of a process runs a one-time correctness check of the engine (blending at
 # ratio 1.0 must reproduce full prefill), so one untimed call comes first. The string parser
-# drops the message metadata, so a callback keeps the blend stats.
+# drops the message metadata, so a callback keeps the blend stats. Each question's prompt tokens are
+# printed by where their K/V came from (`cacheblend_rag.serving.token_sources`): the chunk store
+# (CacheBlend's reuse), the prefix cache (an earlier prompt's opening: the warm-up's system turn and
+# first article, say), spans an earlier request left, chunks computed on a miss, and fresh tokens.
 
 # %%
 warm_up = prompt.invoke({"context": format_docs(documents[:TOP_K]), "question": "What is this about?"})
@@ -133,9 +137,11 @@ for item in QUESTIONS:
     full_answer, full = ask(full_prefill_chain, item.question)
     rows.append((item, blended_answer, blended, full_answer, full))
     print(f"Q: {item.question}   (expected: {item.answer})")
-    print(f"  CacheBlend   TTFT {blended['ttft_s']:6.2f}s  reused {blended['reused_tokens']:4d}/"
-          f"{blended['prompt_tokens']} tokens, recomputed {blended['recomputed_tokens']}, "
-          f"hits {blended['cache_hits']}, misses {blended['cache_misses']}: {blended_answer}")
+    print(f"  CacheBlend   TTFT {blended['ttft_s']:6.2f}s  {blended['prompt_tokens']} tokens by origin of their K/V: "
+          f"{origins_text(token_origins(blended), exact_prefix_tokens(blended), 'd')}\n"
+          f"               of the {blended['cached_tokens']} cached: recomputed {blended['recomputed_tokens']}, "
+          f"reused as is {blended['reused_tokens']}; chunks: hits {blended['cache_hits']}, "
+          f"misses {blended['cache_misses']}: {blended_answer}")
     print(f"  full prefill TTFT {full['ttft_s']:6.2f}s  {full['prompt_tokens']} tokens: {full_answer}")
 
 # %%
@@ -147,7 +153,12 @@ def mean(values) -> float:
 ttft_blend = mean(r[2]["ttft_s"] for r in rows)
 ttft_full = mean(r[4]["ttft_s"] for r in rows)
 print(f"mean TTFT: CacheBlend {ttft_blend:.2f}s, full prefill {ttft_full:.2f}s ({ttft_full / ttft_blend:.1f}x)")
-print(f"mean share of prompt tokens reused: {mean(r[2]['reused_tokens'] / r[2]['prompt_tokens'] for r in rows):.0%}")
+shares, exact_prefix = mean_origin_shares([r[2] for r in rows])
+print(f"prompt tokens by origin of their K/V, mean share: {origins_text(shares, exact_prefix, '.0%')}")
+recomputed = mean(r[2]["recomputed_tokens"] / r[2]["prompt_tokens"] for r in rows)
+reused = mean(r[2]["reused_tokens"] / r[2]["prompt_tokens"] for r in rows)
+print(f"of all prompt tokens, cached K/V recomputed {recomputed:.0%}, reused as is {reused:.0%} (chunk store, "
+      "prefix cache and earlier spans together)")
 print(f"answers containing the expected phrase: CacheBlend "
       f"{sum(r[0].answer.lower() in r[1].lower() for r in rows)}/{len(rows)}, full prefill "
       f"{sum(r[0].answer.lower() in r[3].lower() for r in rows)}/{len(rows)}")
@@ -156,7 +167,7 @@ print(f"answers containing the expected phrase: CacheBlend "
 # after the template may come from the prefix cache rather than the store (the warm-up's full prefill
 # left that opening there), so the store's hits alone can be fewer than TOP_K.
 assert all(r[2]["mode"] == "blend" and r[2]["cache_misses"] == 0 and 1 <= r[2]["cache_hits"] <= TOP_K
-           and r[2]["reused_tokens"] > 0 for r in rows)
+           and r[2]["reused_tokens"] > 0 and token_origins(r[2])["chunk store"] > 0 for r in rows)
 
 # %% [markdown]
 # ## Streaming

@@ -31,6 +31,7 @@ from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBl
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
+from cacheblend_rag.serving.token_sources import exact_prefix_tokens, origins_text, token_origins
 from demo import MostRelevantLast, compare, minilm_folder, plot_comparison, print_comparison  # examples/demo.py
 
 SMALL = os.environ.get("CACHEBLEND_EXAMPLE_SMALL", "0") == "1"
@@ -159,6 +160,6 @@ streaming_engine = index.as_query_engine(
 streamed = next(q for q in load_demo_questions() if q.source in {a.doc_id for a in ARTICLES} and q not in QUESTIONS)
 streaming_engine.query(streamed.question).print_response_stream()
 stats = llm.last_stats
-print(f"\nTTFT {stats['ttft_s']:.3f}s; of {stats['prompt_tokens']} prompt tokens, K/V reused as is for "
-      f"{stats['reused_tokens']} ({stats['prefix_tokens']} from the prefix cache), {stats['recomputed_tokens']} "
-      "recomputed")
+print(f"\nTTFT {stats['ttft_s']:.3f}s; {stats['prompt_tokens']} prompt tokens by origin of their K/V: "
+      f"{origins_text(token_origins(stats), exact_prefix_tokens(stats), 'd')}; of the {stats['cached_tokens']} "
+      f"cached, {stats['recomputed_tokens']} recomputed")

@@ -68,7 +68,13 @@ def test_notebook_runs(tmp_path, monkeypatch) -> None:
     printed = "".join(
         output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
     )
-    assert "mean TTFT: CacheBlend" in printed and "reused" in printed
+    assert "mean TTFT: CacheBlend" in printed
+    # Where reused tokens came from, per question and in the summary, not one "reused" share.
+    by_origin = [line for line in printed.splitlines() if "by origin of their K/V" in line]
+    assert len(by_origin) == 3  # two questions (the quick run) and the summary
+    for source in ("chunk store", "prefix cache", "earlier spans", "chunks computed on a miss", "fresh"):
+        assert all(source in line for line in by_origin), source
+    assert "mean share of prompt tokens reused" not in printed
 
 
 if __name__ == "__main__":
