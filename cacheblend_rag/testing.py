@@ -7,7 +7,7 @@ tests) can exercise a full pipeline in well under a second, with no download.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -126,3 +126,31 @@ def tiny_thinking_engine():
     engine = tiny_engine("qwen3")
     engine.tokenizer.chat_template = THINKING_TEMPLATE
     return engine
+
+
+class ScriptedStream:
+    """A served stream whose text deltas are ``pieces`` instead of the model's (a tiny model's text is
+    random): the request itself still runs, so ``result()`` and the stats are its own."""
+
+    def __init__(self, stream: Any, pieces: list[str]) -> None:
+        self._stream = stream
+        self._pieces = list(pieces)
+
+    def __iter__(self) -> Iterator[str]:
+        for _ in self._stream:  # the model's own deltas, decoded and dropped
+            pass
+        yield from self._pieces
+
+    def result(self) -> Any:
+        return self._stream.result()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def script_answers(llm: Any, monkeypatch: Any, *answers: list[str]) -> None:
+    """Make ``llm`` (either integration's) answer its next calls with ``answers``, in order, delta by delta,
+    through :class:`ScriptedStream`: for tests of what the integrations make of an answer's text as it
+    streams (thinking, tool calls). ``monkeypatch``: pytest's, which undoes it after the test."""
+    real_stream, queue = llm.service.stream, list(answers)
+    monkeypatch.setattr(llm.service, "stream", lambda *a, **k: ScriptedStream(real_stream(*a, **k), queue.pop(0)))

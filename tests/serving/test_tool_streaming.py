@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import typing
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import pytest
 from langchain_cacheblend import ChatCacheBlend
@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from llama_index.core.tools import FunctionTool
 from llama_index.llms.cacheblend import CacheBlendLLM
 
-from cacheblend_rag.testing import tiny_engine
+from cacheblend_rag.testing import script_answers, tiny_engine
 
 STORY = ["Once", " upon", " a", " time", ", a", " fox", " slept", "."]
 CALL = ["{\"", "name", "\": \"", "set_mode", "\", \"arguments\": {\"mode\": \"", "safe", "\"}}"]
@@ -34,28 +34,7 @@ def engine():
     return tiny_engine("llama")
 
 
-class _ScriptedStream:
-    """A real request decoded to its end (its stats are real), whose text deltas are ``deltas``."""
-
-    def __init__(self, real: Any, deltas: list[str]) -> None:
-        self._real, self._deltas = real, deltas
-
-    def __iter__(self) -> Iterator[str]:
-        for _ in self._real:
-            pass
-        yield from self._deltas
-
-    def result(self) -> Any:
-        return self._real.result()
-
-    def close(self) -> None:
-        self._real.close()
-
-
-def script(llm: Any, monkeypatch: pytest.MonkeyPatch, *answers: list[str]) -> None:
-    """Make ``llm`` answer its next calls with ``answers``, in order, delta by delta."""
-    real_stream, queue = llm.service.stream, list(answers)
-    monkeypatch.setattr(llm.service, "stream", lambda *a, **k: _ScriptedStream(real_stream(*a, **k), queue.pop(0)))
+script = script_answers  # Make ``llm`` answer its next calls with the given answers, in order.
 
 
 # ------------------------------------------------------------------ LlamaIndex
