@@ -5,12 +5,14 @@ Capabilities ChatCacheBlend does not have are declared through the suites' prope
 matching tests skip with LangChain's own reasons: text-only inputs, no per-call model switching, no
 VCR cassettes (there are no HTTP calls to record), no environment-variable setup.
 
-Tool calling, structured output and JSON mode are there, and their tests run against SmolLM2-135M
-(``TestChatCacheBlendSmolLM2``, slow): they check what a call says (``magic_function(3)`` must call
-it with ``{"input": 3}``), which a random tiny model cannot know. One is expected to fail there, for
-the model's sake (``test_agent_loop``: a call left to the model's choice, which a 135M model
-without tool training does not make). The tiny model's class declares
-them absent so its fast run keeps to what any model can pass.
+Tool calling, structured output and JSON mode are declared everywhere. Decoding is constrained to a
+valid call (or the schema's JSON), so even the random tiny model makes calls that parse, and the suite's
+tool and structured-output tests run on it; the four that check what a call says (``magic_function(3)``
+must be called with ``{"input": 3}``, a company name copied from the message) or that the model chooses to
+call are marked expected to fail there, each with its reason, and run against SmolLM2-135M
+(``TestChatCacheBlendSmolLM2``, slow). One is expected to fail there, for the model's sake
+(``test_agent_loop``: a call left to the model's choice, which a 135M model without tool training does not
+make).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from langchain_cacheblend import ChatCacheBlend
 
 # A chunk that the cache-read test warms and then finds in its prompt.
 _CHUNK = "Marie Curie was a physicist and chemist who won two Nobel prizes in Warsaw and Paris."
+_RANDOM_ARGUMENTS = ("it checks the call's arguments (magic_function(3) called with {'input': 3}), which a random "
+                     "model cannot know: its call parses (constrained decoding) with arguments of its own; "
+                     "TestChatCacheBlendSmolLM2 runs it")
 
 
 class _CacheBlendSuiteSettings:
@@ -41,15 +46,15 @@ class _CacheBlendSuiteSettings:
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
@@ -68,20 +73,7 @@ class _CacheBlendSuiteSettings:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
 
-class _WithToolsAndStructuredOutput:
-    """Declared where the suite's checks can pass: LangChain's unit suite (no model output is judged)
-    and the integration suite on SmolLM2 (a model that understands a request)."""
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-
-class TestChatCacheBlendUnit(_WithToolsAndStructuredOutput, _CacheBlendSuiteSettings, ChatModelUnitTests):
+class TestChatCacheBlendUnit(_CacheBlendSuiteSettings, ChatModelUnitTests):
 
     @pytest.mark.xfail(strict=True, reason=(
         "langchain-core's load(allowed_objects='all') admits only the classes of its own registry "
@@ -103,8 +95,31 @@ class TestChatCacheBlendUnit(_WithToolsAndStructuredOutput, _CacheBlendSuiteSett
 class TestChatCacheBlendIntegration(_CacheBlendSuiteSettings, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        # Short answers keep the suite fast; the unit suite sets max_tokens itself.
-        return {**super().chat_model_params, "max_tokens": 16}
+        # Short answers keep the suite fast, long enough for the suite's calls in the tiny model's tokens (its
+        # small vocabulary spells a tool's name in many); the unit suite sets max_tokens itself.
+        return {**super().chat_model_params, "max_tokens": 64}
+
+    # What a call says, and whether the model calls at all, is the model's doing: a random model's call
+    # parses (constrained decoding) but says nothing in particular. TestChatCacheBlendSmolLM2 runs these.
+    @pytest.mark.xfail(reason=_RANDOM_ARGUMENTS, strict=False)
+    def test_tool_calling(self, model: Any) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason=_RANDOM_ARGUMENTS, strict=False)
+    async def test_tool_calling_async(self, model: Any) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason="it checks that the call's customer_name holds the company name written in the "
+                       "message ('你好啊集团'), which a random model cannot copy (nor spell its call in 64 of "
+                       "the tiny tokenizer's tokens); TestChatCacheBlendSmolLM2 runs it", strict=False)
+    def test_unicode_tool_call_integration(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        super().test_unicode_tool_call_integration(model, *args, **kwargs)
+
+    @pytest.mark.xfail(reason="with tool_choice left to the model, it checks that the model chooses to call the "
+                       "weather tool, which a random model does not; TestChatCacheBlendSmolLM2 runs it",
+                       strict=False)
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatCacheBlend(**self.chat_model_params)
@@ -122,17 +137,13 @@ class TestChatCacheBlendIntegration(_CacheBlendSuiteSettings, ChatModelIntegrati
 
 
 @pytest.mark.slow
-class TestChatCacheBlendSmolLM2(_WithToolsAndStructuredOutput, _CacheBlendSuiteSettings, ChatModelIntegrationTests):
+class TestChatCacheBlendSmolLM2(_CacheBlendSuiteSettings, ChatModelIntegrationTests):
     """The whole integration suite on the embedded SmolLM2-135M-Instruct, tools and structured output included."""
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
         # The suite's prompts are shorter than the engine's min_blend_tokens: blend them anyway.
         return {"max_tokens": 56, "min_blend_tokens": 0}
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         return TestChatCacheBlendIntegration.invoke_with_cache_read_input(self, stream=stream)
