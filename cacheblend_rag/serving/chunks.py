@@ -42,6 +42,13 @@ class AnnouncedChunks:
         with self._lock:
             return list(self._texts)
 
+    def unannounced(self, texts: Iterable[str]) -> list[str]:
+        """``texts`` (in :func:`chunk_text` form, empty ones dropped) that are not remembered, in order:
+        what a caller that finds chunks in a conversation (tool results) still has to warm and announce."""
+        kept = chunk_texts(texts)
+        with self._lock:
+            return [text for text in dict.fromkeys(kept) if text not in self._texts]
+
     def latest(self) -> tuple[str, ...]:
         with self._lock:
             return self._latest
