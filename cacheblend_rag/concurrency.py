@@ -79,7 +79,8 @@ async def run_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
             value = fn(*args, **kwargs)
         except BaseException as exc:
-            settle(lambda: done.cancelled() or done.set_exception(exc))
+            # Bound now: Python unbinds ``exc`` when the except block ends, before the loop runs the callback.
+            settle(lambda exc=exc: done.cancelled() or done.set_exception(exc))
         else:
             settle(lambda: done.cancelled() or done.set_result(value))
 
