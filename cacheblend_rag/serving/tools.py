@@ -1,8 +1,10 @@
 """Tool calls and structured output, the same way in both integrations.
 
 Tools come in the OpenAI function format both frameworks produce (LangChain's
-``convert_to_openai_tool``, LlamaIndex's ``ToolMetadata.to_openai_tool``). The model is told
-about them in a system turn and answers a call as one JSON object,
+``convert_to_openai_tool``, LlamaIndex's ``ToolMetadata.to_openai_tool``). Where the chat template
+lists tools itself, the model is told about them there and calls in its own format
+(:mod:`cacheblend_rag.serving.tool_formats`); otherwise it is told about them in a system turn
+(:func:`tools_instruction`) and answers a call as one JSON object,
 ``{"name": ..., "arguments": {...}}``. When a call is required (``tool_choice`` "any", "required"
 or a tool's name), decoding is constrained to exactly such an object of a bound tool's schema
 (:class:`~cacheblend_rag.engine.constraints.JsonConstraint`), so even a small model's call
@@ -45,6 +47,11 @@ def tool_functions(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ConfigError(f"cannot use tool {tool!r}: pass tools as the frameworks make them (OpenAI format, "
                               '{"type": "function", "function": {"name", "description", "parameters"}})')
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        try:
+            json.dumps(parameters)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"the parameters schema of tool {function['name']!r} is not JSON ({error}); give it a "
+                              "JSON schema of plain dicts, lists, strings, numbers and booleans") from None
         functions.append({**function, "parameters": parameters})
     return functions
 
@@ -66,10 +73,11 @@ def chosen_tools(functions: list[dict[str, Any]], tool_choice: Any) -> tuple[lis
     return picked, True
 
 
-def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of one call of one of ``functions``."""
-    options = [{"type": "object", "properties": {NAME: {"const": f["name"]}, ARGUMENTS: f["parameters"]},
-                "required": [NAME, ARGUMENTS]} for f in functions]
+def call_schema(functions: list[dict[str, Any]], arguments_key: str = ARGUMENTS) -> dict[str, Any]:
+    """JSON schema of one call of one of ``functions``, its arguments under ``arguments_key`` (Llama 3's
+    native format says "parameters")."""
+    options = [{"type": "object", "properties": {NAME: {"const": f["name"]}, arguments_key: f["parameters"]},
+                "required": [NAME, arguments_key]} for f in functions]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -112,15 +120,17 @@ def response_schema(response_format: Any) -> dict[str, Any] | None:
 
 
 def constrained(generation: GenerationConfig, tools: list[dict[str, Any]], required: bool,
-                response_format: Any = None) -> GenerationConfig:
+                response_format: Any = None, arguments_key: str = ARGUMENTS) -> GenerationConfig:
     """``generation`` held to what a call asks for: a call of one of ``tools`` when one is
     ``required``, else JSON of ``response_format`` when given, else a call or text when tools are
-    bound. Stop strings are dropped where the answer must be JSON (they could cut it)."""
+    bound (a call's arguments under ``arguments_key``, the model's format's). Stop strings are
+    dropped where the answer must be JSON (they could cut it)."""
     if tools and required:
-        return replace(generation, json_schema=json.dumps(call_schema(tools)), json_only=True, stop=())
+        schema = json.dumps(call_schema(tools, arguments_key))
+        return replace(generation, json_schema=schema, json_only=True, stop=())
     schema = response_schema(response_format)
     if schema is not None:
         return replace(generation, json_schema=json.dumps(schema), json_only=True, stop=())
     if tools:
-        return replace(generation, json_schema=json.dumps(call_schema(tools)), json_only=False)
+        return replace(generation, json_schema=json.dumps(call_schema(tools, arguments_key)), json_only=False)
     return generation
