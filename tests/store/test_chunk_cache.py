@@ -431,3 +431,23 @@ def test_closing_a_source_early_cancels_its_read_ahead(engine, disk_cache, chunk
     source.layer(0)
     source.close()
     assert source._executor is None and not source._futures
+
+
+def test_blends_on_one_thread_share_one_read_ahead_thread(engine, disk_cache, chunk_ids, stored_prompt):
+    # A read-ahead thread per blend cost a thread start a request and, per new thread, a SQLite connection to
+    # the disk store: open files drifted in a soak. Threads and open files stay flat over many blends.
+    import os
+    import threading
+
+    disk_cache.warm(TEXTS)
+    stored, _ = stored_prompt
+
+    def loaders() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("cacheblend-kv-loader")]
+
+    engine.blend(stored, store=disk_cache)
+    threads, files = loaders(), len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        engine.blend(stored, store=disk_cache)
+    assert loaders() == threads and len(threads) == 1
+    assert len(os.listdir("/proc/self/fd")) <= files
