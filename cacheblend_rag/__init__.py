@@ -1,5 +1,14 @@
 """cacheblend-rag: faster RAG answers by blending precomputed chunk KV caches (CacheBlend)."""
 
+import os
+
+# oneDNN (bfloat16 matmuls on a CPU) keeps the kernels it builds for each new matrix shape, 1,024 by
+# default, about 2 MB apiece on SmolLM2 (a few per new prompt length): a server's memory grew 1-3 MB/s
+# in a soak as prompt lengths varied. 64 keeps a decode batch's shapes hot and bounds the rest; no
+# prefill was slower for it (docs/operations.md, "Sizing"). Read when oneDNN builds its first kernel,
+# so setting it here works even after torch is imported; a value already set wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import (
     BlendResult,
