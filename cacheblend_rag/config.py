@@ -6,8 +6,10 @@ what it accepts, so a typo in a pipeline's settings fails where it is written.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -239,6 +241,16 @@ class GenerationConfig:
         first token decides: one that starts the JSON holds it to ``json_schema`` to the end, any
         other leaves it free (a first token that starts some other JSON, or only whitespace, is
         not allowed, so a call cannot slip past the constraint).
+    do_sample:
+        As ``model.generate``'s: ``False`` is greedy whatever the temperature, ``True`` samples (with
+        the fields set here, else the model's generation config, else temperature 1.0) even where the
+        model's config does not; ``None`` (default): the model's config decides.
+    no_repeat_ngram_size:
+        No n-gram of this size occurs twice in the prompt and answer (transformers'
+        ``NoRepeatNGramLogitsProcessor``); ``0`` (default) off.
+    eos_token_id:
+        The ids that end the answer, instead of the model's (its generation config's and tokenizer's),
+        as ``model.generate``'s ``eos_token_id`` replaces them; ``None`` (default): the model's.
     """
 
     max_new_tokens: int = 128
@@ -252,6 +264,9 @@ class GenerationConfig:
     stop: tuple[str, ...] = field(default_factory=tuple)
     json_schema: str | None = None
     json_only: bool = True
+    do_sample: bool | None = None
+    no_repeat_ngram_size: int = 0
+    eos_token_id: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_new_tokens", self.max_new_tokens, 1, 1_000_000, integer=True)
@@ -286,11 +301,27 @@ class GenerationConfig:
                 raise ConfigError("json_schema must be a JSON object (a schema), e.g. '{\"type\": \"object\"}'")
         if not isinstance(self.json_only, bool):
             raise ConfigError(f"json_only={self.json_only!r} must be True or False")
+        self._check_decoding_choices()
+
+    def _check_decoding_choices(self) -> None:
+        """do_sample, no_repeat_ngram_size and eos_token_id, as model.generate takes them."""
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample={self.do_sample!r} must be True, False or None (the model's choice)")
+        if self.do_sample and self.temperature == 0:
+            raise ConfigError("do_sample=True with temperature=0 asks to sample and to be greedy; pass a temperature "
+                              "above 0 to sample, or do_sample=False for greedy")
+        _check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, 1_000_000, integer=True)
+        if self.eos_token_id is not None:
+            ids = (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+            if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+                raise ConfigError(f"eos_token_id={self.eos_token_id!r} must be a token id or a non-empty list of "
+                                  "them (ids >= 0), or None for the model's own")
+            object.__setattr__(self, "eos_token_id", ids)
 
     def resolved(self, model_defaults: Any = None) -> "GenerationConfig":
         """Every sampling field concrete: unset ones from ``model_defaults`` (a transformers
         ``GenerationConfig``, or ``None``), else greedy with no penalty."""
-        samples = bool(getattr(model_defaults, "do_sample", False))
+        samples = self.do_sample if self.do_sample is not None else bool(getattr(model_defaults, "do_sample", False))
 
         def default(name: str, fallback: Any) -> Any:
             value = getattr(model_defaults, name, None) if samples or name == "repetition_penalty" else None
@@ -298,8 +329,8 @@ class GenerationConfig:
 
         return replace(
             self,
-            temperature=self.temperature if self.temperature is not None else (default("temperature", 1.0) if samples
-                                                                                else 0.0),
+            temperature=0.0 if self.do_sample is False else self.temperature if self.temperature is not None
+            else (default("temperature", 1.0) if samples else 0.0),
             top_p=self.top_p if self.top_p is not None else default("top_p", 1.0),
             top_k=self.top_k if self.top_k is not None else default("top_k", 0),
             min_p=self.min_p if self.min_p is not None else default("min_p", 0.0),
@@ -314,23 +345,64 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one engine's scheduler.
+    """Limits of one engine's scheduler: how many requests decode together, how many may wait, and
+    how much memory their KV may take (docs/operations.md, "Sizing").
 
     max_batch_size:
         Requests decoded together (each holds its KV in memory while it runs). More wait.
-    max_waiting:
-        Requests queued beyond the running ones; one more is refused with ``SchedulerFullError``
-        rather than left to wait without bound (jobs, such as a warm, are not counted).
+    max_queued_requests:
+        Requests queued beyond the running ones; one more is refused at once with
+        ``SchedulerFullError`` rather than left to wait without bound (jobs, such as a warm, are not
+        counted). ``max_waiting``, its old name, is still accepted (deprecated).
     max_prefills_per_step:
         Blends admitted between two decode steps: lower keeps tokens flowing to running
         requests, higher reaches first tokens sooner when many arrive at once.
+    kv_budget_bytes:
+        Bytes of KV the running requests may hold together. A request reserves ``(prompt tokens +
+        max_new_tokens) x`` the model's KV bytes per token when it starts and frees them when it ends;
+        one that does not fit beside the running ones waits (first come, first served), one that could
+        never fit is refused at once with ``KVBudgetError``. ``None``: sized when the scheduler starts,
+        from the model and the device (:func:`cacheblend_rag.serving.admission.default_kv_budget`).
     """
 
     max_batch_size: int = 16
-    max_waiting: int = 256
+    max_queued_requests: int = 256
     max_prefills_per_step: int = 1
+    kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_batch_size", self.max_batch_size, 1, 4096, integer=True)
-        _check_range("max_waiting", self.max_waiting, 0, 1_000_000, integer=True)
+        # Every request passes through the queue: 0 would refuse them all.
+        _check_range("max_queued_requests", self.max_queued_requests, 1, 1_000_000, integer=True)
         _check_range("max_prefills_per_step", self.max_prefills_per_step, 1, 4096, integer=True)
+        if self.kv_budget_bytes is not None:
+            _check_range("kv_budget_bytes", self.kv_budget_bytes, 1, 1 << 60, integer=True)
+
+
+def _accepting_max_waiting(init: Any) -> Any:
+    """``SchedulerConfig.__init__`` that also takes ``max_waiting``, the old name of ``max_queued_requests``."""
+
+    @functools.wraps(init)
+    def __init__(self: SchedulerConfig, *args: Any, max_waiting: int | None = None, **kwargs: Any) -> None:
+        if max_waiting is not None:
+            warnings.warn("SchedulerConfig(max_waiting=...) is deprecated; pass max_queued_requests", DeprecationWarning,
+                          stacklevel=2)
+            if kwargs.get("max_queued_requests", max_waiting) != max_waiting or len(args) > 1:
+                raise ConfigError("max_waiting and max_queued_requests are both given; pass max_queued_requests only "
+                                  "(max_waiting is its deprecated name)")
+            kwargs["max_queued_requests"] = max_waiting
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _deprecated_max_waiting(self: SchedulerConfig) -> int:
+    warnings.warn("SchedulerConfig.max_waiting is deprecated; read max_queued_requests", DeprecationWarning,
+                  stacklevel=2)
+    return self.max_queued_requests
+
+
+# The old name keeps working, with a warning, in the constructor and when read (it is no field, so
+# dataclasses.replace and asdict never see it).
+SchedulerConfig.__init__ = _accepting_max_waiting(SchedulerConfig.__init__)  # type: ignore[method-assign]
+SchedulerConfig.max_waiting = property(_deprecated_max_waiting)  # type: ignore[attr-defined]

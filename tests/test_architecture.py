@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"engine", "config", "errors", "models", "prompting"},  # prompting: the CLI's warm
     "prompting": {"engine"},
     "testing": {"engine", "config"},
+    "testing_tools": {"testing"},
     "serving": {"engine", "store", "prompting", "config", "errors", "models", "concurrency", "testing"},
     "bench": {"engine", "store", "prompting", "config", "errors", "models", "data", "__init__"},
     "cli": {"store", "bench", "models", "errors"},  # the command groups, imported by name

@@ -49,7 +49,7 @@ class DecodingModel(Protocol):
 
 class Sampler(Protocol):
     """Picks a request's next token from its logits and the answer so far
-    (:class:`~cacheblend_rag.engine.generate.TokenSampler` is the one the engine uses). A sampler may
+    (:class:`~cacheblend_rag.engine.sampling.TokenSampler` is the one the engine uses). A sampler may
     also offer ``sample(logits, generated)``, the id as a tensor on the logits' device: decoding then
     reads it back once and feeds the tensor itself to the next step."""
 
@@ -276,6 +276,10 @@ class Decoding:
             return self._finish("eos")
         self.tokens.append(token)
         text = self._text.update(self.tokens)
+        # Stop strings are found in the decoded text, not by transformers' StopStringCriteria: the answer is cut
+        # where one starts and text that could start one is held back, which its yes/no does not say; on SmolLM2
+        # it stops where this does but costs ~6x per token and ~0.6 s to build per new list of stop strings
+        # (benchmarks/bench_stop_strings.py).
         hit = min((i for i in (text.find(s) for s in self.gen.stop) if i >= 0), default=-1)
         if hit >= 0:
             return self._finish("stop", text[:hit])

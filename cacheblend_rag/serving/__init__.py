@@ -8,6 +8,7 @@ and one path from a rendered prompt to a blended answer. The integrations are fr
   cache per engine and store;
 * :mod:`~cacheblend_rag.serving.scheduler`: :class:`RequestScheduler`, the one worker thread of an
   engine, which blends requests as they come and decodes the running ones as one batch;
+* :mod:`~cacheblend_rag.serving.admission`: the KV memory budget its running requests share, and who may start;
 * :mod:`~cacheblend_rag.serving.chunks`: the normal form of a chunk's text and the announced texts;
 * :mod:`~cacheblend_rag.serving.segment_cache`: :class:`SegmentCache`, spans after the chunks kept as cached segments;
 * :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
@@ -25,6 +26,7 @@ from cacheblend_rag.serving.registry import (
     shared_engine,
     slot_for,
 )
+from cacheblend_rag.serving.admission import KVBudgetError
 from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, RequestScheduler, SchedulerFullError
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
@@ -32,7 +34,8 @@ from cacheblend_rag.serving.arguments import BLEND_FIELDS, SAMPLING_FIELDS, unkn
 from cacheblend_rag.serving.settings import CacheBlendSettings
 
 __all__ = [
-    "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "PreparedPrompt",
+    "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "KVBudgetError",
+    "PreparedPrompt",
     "RequestCancelled", "RequestHandle", "RequestScheduler", "SchedulerConfig", "SchedulerFullError",
     "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for", "scheduler_for", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",

@@ -1,13 +1,15 @@
 """The arguments :class:`~cacheblend_rag.serving.settings.CacheBlendSettings` takes, checked and read
 before pydantic sees them: which names are fields (an unknown one is an error naming the closest known
 one), the BlendConfig and sampling fields checked as the user wrote them, and the Hugging Face
-integrations' spellings (``model_id``, ``torch_dtype``, ``device_map``, ``generate_kwargs``...) turned
-into these fields, or refused with what to pass instead.
+integrations' spellings (``model_id``, ``torch_dtype``, ``device_map``...) turned into these fields, and
+``model.generate``'s keyword arguments (``generate_kwargs``) into a :class:`GenerationConfig`'s, or refused
+with what to pass instead.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 from dataclasses import fields
 from typing import Any, Optional
@@ -70,16 +72,14 @@ def checked_as_given(values: dict[str, Any]) -> None:
         GenerationConfig(max_new_tokens=max(1, int(sampling.get("min_new_tokens") or 0)), **sampling)
 
 
-_GENERATE_KWARGS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample",
-                    "seed", "min_new_tokens"}
-
-
 def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str,
                            logger: logging.Logger) -> dict[str, Any]:
     """``HuggingFaceLLM``/``ChatHuggingFace`` arguments as this package's fields: ``model_name`` and
-    ``model_id`` are ``model``, ``torch_dtype`` is ``dtype``, a one-device ``device_map`` is ``device``,
-    ``generate_kwargs``/``pipeline_kwargs`` are the sampling fields. What cannot be honoured is an error
-    saying what to use. The device ``device_map="auto"`` maps to is said in ``logger`` (the caller's)."""
+    ``model_id`` are ``model``, ``torch_dtype`` is ``dtype``, a one-device ``device_map`` is ``device``.
+    ``generate_kwargs`` (``pipeline_kwargs`` merged in) is kept, and those of its keys that have a field
+    of their own set it (``max_new_tokens`` the length field, ``stop_strings`` ``stop``, ``do_sample=False``
+    ``temperature=0``; a field also given must agree). What cannot be honoured is an error saying what to
+    use. The device ``device_map="auto"`` maps to is said in ``logger`` (the caller's)."""
     for alias in ("model_name", "model_id"):
         if alias in values:
             name = values.pop(alias)
@@ -91,19 +91,148 @@ def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field:
         values.setdefault("dtype", str(dtype).removeprefix("torch.") if dtype is not None else None)
     if "device_map" in values:
         values.setdefault("device", _one_device(owner, values.pop("device_map"), logger))
-    for option in ("generate_kwargs", "pipeline_kwargs"):
-        given = values.pop(option, None) or {}
-        unknown = sorted(set(given) - _GENERATE_KWARGS)
-        if unknown:
-            raise ValueError(f"{owner} cannot honour {option} {unknown}: it supports {sorted(_GENERATE_KWARGS)} "
-                             "(as the fields of the same names)")
-        given = dict(given)
-        if given.pop("do_sample", None) is False:
-            given.setdefault("temperature", 0.0)
-        if "max_new_tokens" in given:
-            values.setdefault(max_tokens_field, given.pop("max_new_tokens"))
-        for name, value in given.items():
-            values.setdefault(name, value)
+    given = {**_kwargs_dict(owner, "pipeline_kwargs", values.pop("pipeline_kwargs", None)),
+             **_kwargs_dict(owner, "generate_kwargs", values.pop("generate_kwargs", None))}
+    if given:
+        fields_of = {"max_new_tokens": max_tokens_field, "stop": "stop", **{name: name for name in SAMPLING_FIELDS}}
+        for name, value in generation_options(owner, "generate_kwargs", given).items():
+            if name == "temperature" and given.get("do_sample") is False:
+                continue  # greedy whatever the temperature, as model.generate
+            if name == "do_sample" and value is False:
+                name, value = "temperature", 0.0  # greedy, as the field says it
+            field = fields_of.get(name)
+            if field is None:
+                continue  # no field of its own: applied from generate_kwargs at each call
+            if name == "stop":
+                value = list(value)
+            if values.get(field) is not None and values[field] != value:
+                key = "do_sample=False" if name == "temperature" and "do_sample" in given else _given_key(name, given)
+                raise ValueError(f"{owner} got {field}={values[field]!r} and generate_kwargs {key}: they disagree; "
+                                 f"pass the setting once")
+            values[field] = value
+        values["generate_kwargs"] = given
+    return values
+
+
+def _kwargs_dict(owner: str, option: str, given: Any) -> dict[str, Any]:
+    if given is None:
+        return {}
+    if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
+        raise ValueError(f"{owner} got {option}={given!r}: pass a dict of model.generate's keyword arguments, "
+                         "e.g. {'max_new_tokens': 64, 'do_sample': True, 'temperature': 0.7}")
+    return dict(given)
+
+
+def _given_key(name: str, given: dict[str, Any]) -> str:
+    key = next((k for k, ours in _GENERATE_MAPPED.items() if ours == name and k in given), name)
+    return f"{key}={given[key]!r}"
+
+
+# model.generate's keyword arguments a blend's decoding applies, and the GenerationConfig field each sets.
+_GENERATE_MAPPED = {
+    "max_new_tokens": "max_new_tokens", "min_new_tokens": "min_new_tokens", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "do_sample": "do_sample", "seed": "seed", "no_repeat_ngram_size": "no_repeat_ngram_size",
+    "eos_token_id": "eos_token_id", "stop_strings": "stop",
+}
+# Accepted where they ask for what decoding does anyway (one sequence, the text without the prompt).
+_GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "num_beams": (1,), "num_return_sequences": (1,), "use_cache": (True,), "return_full_text": (False,),
+    "pad_token_id": (), "bos_token_id": (), "skip_special_tokens": (True,),
+}
+_BEAMS = ("beam search keeps several candidate sequences and picks one at the end; a blend decodes one sequence and "
+          "streams it token by token; sample instead (do_sample=True, temperature, top_p) or stay greedy")
+# Why the others cannot apply, and what to use instead.
+_GENERATE_REFUSED = {
+    "num_beams": _BEAMS, "num_beam_groups": _BEAMS, "diversity_penalty": _BEAMS, "length_penalty": _BEAMS,
+    "early_stopping": _BEAMS, "constraints": _BEAMS, "force_words_ids": _BEAMS,
+    "num_return_sequences": "a call answers with one sequence; call again with another seed, or use batch() for "
+    "several prompts",
+    "assistant_model": "assisted (speculative) decoding drafts tokens with a second model; decoding from a blended "
+    "cache runs the one model; leave it out",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding drafts tokens from the prompt; decoding from a blended "
+    "cache takes one token a step; leave it out",
+    "penalty_alpha": "contrastive search rescores candidates with their hidden states, which a blend's decoding "
+    "does not keep; use sampling (do_sample=True, top_k, top_p) or greedy",
+    "max_length": "it counts the prompt's tokens too; pass max_new_tokens, the answer's tokens",
+    "min_length": "it counts the prompt's tokens too; pass min_new_tokens, the answer's tokens",
+    "use_cache": "decoding reads the blended KV cache, it cannot run without one; leave use_cache out",
+    "return_full_text": "the answer comes back without the prompt; leave it out (or False)",
+    "streamer": "stream with the framework's own streaming (stream(), stream_complete(), astream()...)",
+    "stopping_criteria": "pass stop strings (stop, or stop_strings here), max_new_tokens or eos_token_id",
+    "logits_processor": "decoding applies transformers' processors for temperature, top_k, top_p, min_p, "
+    "repetition_penalty, no_repeat_ngram_size and min_new_tokens from their keys; pass those",
+    "return_dict_in_generate": "the answer comes back as text (and its token ids in the stats), not scores",
+    "output_scores": "the answer comes back as text (and its token ids in the stats), not scores",
+    "output_logits": "the answer comes back as text (and its token ids in the stats), not logits",
+    "skip_special_tokens": "the answer's text never holds special tokens; leave it out",
+}
+
+
+def generation_options(owner: str, option: str, given: dict[str, Any]) -> dict[str, Any]:
+    """``model.generate`` keyword arguments (``generate_kwargs``) as :class:`GenerationConfig` fields
+    (``stop_strings`` is ``stop``). Those that ask for what decoding does anyway (``num_beams=1``,
+    ``pad_token_id``...) are dropped; one that cannot apply to one streamed sequence (``num_beams=4``,
+    ``assistant_model``...) is an error naming it, why and what to use; an unknown one gets the closest
+    known spelling."""
+    options: dict[str, Any] = {}
+    for key, value in given.items():
+        if key in _GENERATE_MAPPED:
+            if key == "stop_strings":
+                value = (value,) if isinstance(value, str) else tuple(value or ())
+            options[_GENERATE_MAPPED[key]] = value
+        elif key in _GENERATE_NEUTRAL and (not _GENERATE_NEUTRAL[key] or value in _GENERATE_NEUTRAL[key]):
+            continue
+        elif key in _GENERATE_REFUSED:
+            raise ValueError(f"{owner} cannot honour {option} {key}={value!r}: {_GENERATE_REFUSED[key]}")
+        elif key in _transformers_generation_keys():
+            raise ValueError(f"{owner} cannot honour {option} {key}={value!r}: a blend's decoding does not apply "
+                             f"this transformers generation option; it applies {sorted(_GENERATE_MAPPED)}")
+        else:
+            known = sorted({*_GENERATE_MAPPED, *_GENERATE_NEUTRAL})
+            raise unknown_names_error(owner, [key], set(known), f"{option} key")
+    if options:  # GenerationConfig's own checks, before the model is loaded or the call starts
+        GenerationConfig(**{"max_new_tokens": 1_000_000, **options})
+    return options
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_generation_keys() -> frozenset[str]:
+    from transformers import GenerationConfig as TransformersGenerationConfig
+
+    return frozenset(k for k in vars(TransformersGenerationConfig()) if not k.startswith("_"))
+
+
+def with_generate_kwargs(owner: str, values: dict[str, Any], object_kwargs: dict[str, Any],
+                         call: dict[str, Any]) -> dict[str, Any]:
+    """A call's GenerationConfig ``values`` (the object's fields and the call's options) with the object's
+    ``generate_kwargs`` that have no field of their own, then the call's ``generate_kwargs`` (or
+    ``pipeline_kwargs``) on top: its stop strings join the call's stop, any other key wins over the
+    object's, and one that the call also passes as an option must agree with it."""
+    values = dict(values)
+    own = generation_options(owner, "generate_kwargs", object_kwargs) if object_kwargs else {}
+    for name, value in own.items():
+        if name == "do_sample" and (value is False or call.get("temperature") is not None):
+            continue  # False is the field temperature=0; a call's own temperature decides sampling afresh
+        if name not in values:
+            values[name] = value
+    given = {**_kwargs_dict(owner, "pipeline_kwargs", call.get("pipeline_kwargs")),
+             **_kwargs_dict(owner, "generate_kwargs", call.get("generate_kwargs"))}
+    if not given:
+        return values
+    options = generation_options(owner, "generate_kwargs", given)
+    lengths = [(k, call[k]) for k in ("max_new_tokens", "max_tokens") if call.get(k) is not None]
+    if "do_sample" in options or "temperature" in options:
+        values.pop("do_sample", None)  # the call decides sampling afresh
+    for name, value in options.items():
+        passed = lengths if name == "max_new_tokens" else [(name, call[name])] if call.get(name) is not None else []
+        clash = next(((key, p) for key, p in passed if p != value), None) if name != "stop" else None
+        if clash is not None:
+            raise ValueError(f"{owner} got {clash[0]}={clash[1]!r} and generate_kwargs {_given_key(name, given)} in "
+                             "one call: they disagree; pass the setting once")
+        if name == "stop":
+            value = (*values.get("stop", ()), *(s for s in value if s not in values.get("stop", ())))
+        values[name] = value
     return values
 
 
@@ -136,4 +265,5 @@ def _auto_device(owner: str, logger: logging.Logger) -> str:
     return device
 
 
-__all__ = ["BLEND_FIELDS", "SAMPLING_FIELDS", "checked_as_given", "hugging_face_spellings", "unknown_names_error"]
+__all__ = ["BLEND_FIELDS", "SAMPLING_FIELDS", "checked_as_given", "generation_options", "hugging_face_spellings",
+           "unknown_names_error", "with_generate_kwargs"]

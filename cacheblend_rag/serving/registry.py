@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from cacheblend_rag.config import BlendConfig, SchedulerConfig
@@ -135,7 +135,7 @@ def scheduler_for(engine: CacheBlendEngine, config: SchedulerConfig | None = Non
         if slot.scheduler.closed:
             slot.scheduler = RequestScheduler(engine, config)
         elif config is not None:
-            slot.scheduler.configure(**config.__dict__)
+            slot.scheduler.configure(**asdict(config))
         return slot.scheduler
 
 

@@ -7,27 +7,31 @@ torch. Each iteration it
 
 1. runs one step of a queued job (a batch of chunk precompute for ``warm``, say), so jobs share
    the cores with requests instead of racing them;
-2. admits waiting requests, first come first served, while the batch has room: their prompt is
-   prepared and blended (prefill), ``max_prefills_per_step`` of them at most, so the requests
-   already decoding wait for at most that many blends between two of their tokens;
+2. sizes the requests queued since the last iteration (the KV memory each will hold, its prompt
+   tokenized) and refuses at once any that could never fit the KV budget
+   (:mod:`~cacheblend_rag.serving.admission`), then admits waiting requests, first come first
+   served, while the batch has room and the head of the queue fits beside the KV the running ones
+   reserved: their prompt is prepared and blended (prefill), ``max_prefills_per_step`` of them at
+   most, so the requests already decoding wait for at most that many blends between two of their tokens;
 3. runs one batched decode step for every running request (continuous batching: a request joins
    after its blend and leaves when it finishes), and hands each its text.
 
 Every request keeps its own sampler, seed, stop strings and JSON constraint. A request whose
 handle is closed (or whose task is cancelled) is dropped at the next step; a request that fails
 fails alone; a reader that reads slowly never holds the worker, which only appends to its queue.
+Nothing grows without bound: at most ``max_queued_requests`` wait (one more is refused with
+:class:`SchedulerFullError`) and the running ones hold at most ``kv_budget_bytes`` of KV.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Generator, Generic, Iterator, TypeVar
+from dataclasses import asdict
+from typing import Any, Callable, Generator, Generic, TypeVar
 
 import torch
 
@@ -36,6 +40,8 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.engine.decode import Decoding, decode_logits
 from cacheblend_rag.engine.results import GenerationResult
 from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.serving.admission import KVLedger, ledger_for
+from cacheblend_rag.serving.request_handle import DELTA, DONE, ERROR, RequestCancelled, RequestHandle
 
 logger = logging.getLogger(__name__)
 
@@ -44,65 +50,7 @@ J = TypeVar("J")
 
 
 class SchedulerFullError(CacheBlendError, RuntimeError):
-    """The scheduler's waiting queue is full: the server is overloaded."""
-
-
-class RequestCancelled(CacheBlendError, RuntimeError):
-    """The request was cancelled (its stream closed) before it finished."""
-
-
-_DELTA, _DONE, _ERROR = "delta", "done", "error"
-
-
-class RequestHandle(Generic[R]):
-    """One submitted request: iterate for its text deltas (blocking), :meth:`result` for its end,
-    :meth:`close` (or :meth:`cancel`) to drop it. Safe to read from any one thread."""
-
-    def __init__(self, start: Callable[[], Decoding], finish: Callable[[GenerationResult], R]) -> None:
-        self._start = start
-        self._finish = finish
-        self._events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-        self._result: R | None = None
-        self._error: BaseException | None = None
-        self._ended = False
-        self.cancelled = threading.Event()
-        self.submitted = time.perf_counter()
-        self.decoding: Decoding | None = None  # the worker's, while the request runs
-
-    # -- the caller's side
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        if self._ended:
-            raise StopIteration
-        kind, value = self._events.get()
-        if kind == _DELTA:
-            return value
-        self._ended = True
-        if kind == _ERROR:
-            self._error = value
-            raise value
-        self._result = self._finish(value)
-        raise StopIteration
-
-    def result(self) -> R:
-        """Wait for the request to finish; its result (or its exception, raised)."""
-        for _ in self:
-            pass
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    close = cancel  # a stream closed early is a cancelled request
-
-    # -- the worker's side
-    def _send(self, kind: str, value: Any) -> None:
-        self._events.put((kind, value))
+    """The scheduler's queue holds ``max_queued_requests`` requests already: the server is overloaded."""
 
 
 class _Job(Generic[J]):
@@ -132,23 +80,46 @@ class RequestScheduler:
         self.finished = 0
         self.failed = 0
         self.cancelled = 0
-        self.rejected = 0
+        self.refused_queue_full = 0
+        self.refused_kv_budget = 0
+        self._ledger: KVLedger | None = None  # sized on first use (kv_budget_bytes None: from the free memory)
+        self._unsized: list[RequestHandle[Any]] = []
+
+    @property
+    def rejected(self) -> int:
+        """Requests refused, for any reason."""
+        return self.refused_queue_full + self.refused_kv_budget
+
+    @property
+    def ledger(self) -> KVLedger:
+        """The KV budget and what the running requests reserved of it."""
+        with self._cond:
+            if self._ledger is None:
+                self._ledger = ledger_for(self.engine, self.config.kv_budget_bytes)
+            return self._ledger
 
     # ------------------------------------------------------------ submitting
-    def submit(self, start: Callable[[], Decoding], finish: Callable[[GenerationResult], R]) -> RequestHandle[R]:
+    def submit(self, start: Callable[[], Decoding], finish: Callable[[GenerationResult], R], *,
+               kv_tokens: Callable[[], int] | None = None) -> RequestHandle[R]:
         """Queue a request. ``start`` runs on the worker: it prepares and blends the prompt and
         returns its :class:`Decoding`; ``finish`` turns the engine's result into the handle's.
-        Raises :class:`SchedulerFullError` when ``max_waiting`` requests already wait."""
-        handle: RequestHandle[R] = RequestHandle(start, finish)
+        ``kv_tokens`` (also run on the worker, as soon as it can) returns the tokens of KV the
+        request will hold, prompt and answer; without it the request counts what it holds once started.
+        Raises :class:`SchedulerFullError` when ``max_queued_requests`` requests already wait; a
+        request that could never fit the KV budget ends with
+        :class:`~cacheblend_rag.serving.admission.KVBudgetError` once sized, before it waits its turn."""
+        handle: RequestHandle[R] = RequestHandle(start, finish, kv_tokens)
         with self._cond:
             self._check_open()
-            if len(self._waiting) >= self.config.max_waiting:
-                self.rejected += 1
+            limit = self.config.max_queued_requests
+            if len(self._waiting) >= limit:
+                self.refused_queue_full += 1
                 raise SchedulerFullError(
-                    f"{len(self._waiting)} requests are already waiting (max_waiting={self.config.max_waiting}, "
-                    f"{len(self._running)} running): retry later, or raise the limit with "
-                    "scheduler_for(engine).configure(max_waiting=...)")
+                    f"{len(self._waiting)} requests are already queued (max_queued_requests={limit}) and "
+                    f"{len(self._running)} running: retry later, or raise the limit with max_queued_requests=... on "
+                    "the LLM or chat model (scheduler_for(engine).configure(max_queued_requests=...) in code)")
             self._waiting.append(handle)
+            self._unsized.append(handle)
             self._wake()
         return handle
 
@@ -190,18 +161,35 @@ class RequestScheduler:
         self._cond.notify()
 
     def configure(self, **limits: Any) -> SchedulerConfig:
-        """Change limits (``SchedulerConfig`` fields) from the next iteration on."""
-        values = {**self.config.__dict__, **limits}
-        self.config = SchedulerConfig(**values)
-        return self.config
+        """Change limits (``SchedulerConfig`` fields) from the next iteration on. A changed
+        ``kv_budget_bytes`` (back to ``None``: sized again from the free memory) keeps what running
+        requests reserved; a queued request that no longer fits the budget at all is refused when its
+        turn comes. ``None`` again keeps the budget sized before (the memory free now is net of the
+        running requests' KV)."""
+        config = SchedulerConfig(**{**asdict(self.config), **limits})
+        with self._cond:
+            if self._ledger is not None and config.kv_budget_bytes != self.config.kv_budget_bytes:
+                sized = ledger_for(self.engine, config.kv_budget_bytes)
+                self._ledger.budget, self._ledger.budget_source = sized.budget, sized.budget_source
+            self.config = config
+            self._cond.notify()  # a larger budget may let the head of the queue start
+        return config
 
     def stats(self) -> dict[str, Any]:
+        """Counters and limits, JSON-friendly: ``queued``, ``running``, ``kv_reserved_bytes`` of
+        ``kv_budget_bytes`` (and where the budget comes from), refusals by reason
+        (``refused_queue_full``, ``refused_kv_budget``; ``rejected`` is both) and the config's fields."""
+        ledger = self.ledger
         with self._cond:
-            running, waiting, jobs = len(self._running), len(self._waiting), len(self._jobs)
-        return {"running": running, "waiting": waiting, "jobs": jobs, "decode_steps": self.steps,
-                "mean_batch_size": self.step_tokens / self.steps if self.steps else 0.0,
+            running, queued, jobs = len(self._running), len(self._waiting), len(self._jobs)
+            reserved = ledger.reserved
+        return {**asdict(self.config), "running": running, "queued": queued, "waiting": queued, "jobs": jobs,
+                "decode_steps": self.steps, "mean_batch_size": self.step_tokens / self.steps if self.steps else 0.0,
                 "finished": self.finished, "failed": self.failed, "cancelled": self.cancelled,
-                "rejected": self.rejected, **self.config.__dict__}
+                "rejected": self.rejected, "refused_queue_full": self.refused_queue_full,
+                "refused_kv_budget": self.refused_kv_budget, "kv_reserved_bytes": reserved,
+                "kv_budget_bytes": ledger.budget, "kv_budget_source": ledger.budget_source,
+                "kv_bytes_per_token": ledger.bytes_per_token}
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Refuse new work, cancel what waits or runs, and stop the worker."""
@@ -227,7 +215,7 @@ class RequestScheduler:
                     self._iteration()
                 except BaseException as exc:  # a bug of ours: fail what runs, keep serving
                     logger.exception("scheduler iteration failed")
-                    for handle in self._running:
+                    for handle in list(self._running):  # _retire removes each from the list
                         self._retire(handle, error=exc)
 
     def _iteration(self) -> None:
@@ -252,15 +240,63 @@ class RequestScheduler:
         with self._cond:
             self._jobs.popleft()
 
-    def _admit(self) -> None:
-        for _ in range(self.config.max_prefills_per_step):
+    def _size_queued(self) -> None:
+        """The KV need of each request queued since the last iteration; one that could never fit the
+        budget leaves the queue at once, refused, instead of waiting its turn to be refused."""
+        with self._cond:
+            new, self._unsized = self._unsized, []
+        for handle in new:
+            if handle.cancelled.is_set():
+                continue  # dropped when its turn comes, as any cancelled request
+            try:
+                handle.kv_need = self.ledger.need(handle._kv_tokens() if handle._kv_tokens is not None else 0)
+            except BaseException as exc:  # a prompt that cannot be tokenized fails alone
+                self._unqueue(handle)
+                self._retire(handle, error=exc)
+                continue
+            if handle.kv_need > self.ledger.budget:
+                self._refuse(handle)
+
+    def _unqueue(self, handle: RequestHandle[Any]) -> None:
+        with self._cond:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+
+    def _refuse(self, handle: RequestHandle[Any]) -> None:
+        self._unqueue(handle)
+        self.refused_kv_budget += 1
+        handle._send(ERROR, self.ledger.refusal(handle.kv_need or 0, self.engine.model_name))
+
+    def _next_to_start(self) -> RequestHandle[Any] | None:
+        """The head of the queue, taken off it, if it may start now (or was cancelled, or can no longer
+        ever fit); ``None`` while it waits for room, and so does the rest (first come, first served)."""
+        while True:
+            self._size_queued()  # also those queued during the last blend: none starts unsized
             with self._cond:
                 if not self._waiting or len(self._running) >= self.config.max_batch_size:
-                    return
-                handle = self._waiting.popleft()
+                    return None
+                handle = self._waiting[0]
+                if handle.kv_need is None and not handle.cancelled.is_set():
+                    continue  # queued while the others were sized: size it first
+                need, ledger = handle.kv_need or 0, self.ledger
+                if not (handle.cancelled.is_set() or need > ledger.budget or ledger.fits_now(need)):
+                    return None
+                return self._waiting.popleft()
+
+    def _admit(self) -> None:
+        ledger = self.ledger
+        for _ in range(self.config.max_prefills_per_step):
+            handle = self._next_to_start()
+            if handle is None:
+                return
+            need = handle.kv_need or 0
             if handle.cancelled.is_set():
                 self._retire(handle, error=RequestCancelled("the request was cancelled before it started"))
                 continue
+            if need > ledger.budget:  # the budget was lowered while it waited
+                self._refuse(handle)
+                continue
+            self._hold(handle, need)
             try:
                 handle.decoding = handle._start()
             except BaseException as exc:
@@ -268,7 +304,15 @@ class RequestScheduler:
                 continue
             with self._cond:
                 self._running.append(handle)
+            # What it holds now that its prompt is known, in place of the estimate.
+            self._hold(handle, (handle.decoding.prompt_tokens + handle.decoding.room) * ledger.bytes_per_token)
             self._deliver(handle)  # the first token, sampled from the blend's logits
+
+    def _hold(self, handle: RequestHandle[Any], nbytes: int) -> None:
+        """Make ``handle``'s reservation against the KV budget ``nbytes`` (0 frees it)."""
+        with self._cond:
+            self.ledger.reserved += nbytes - handle.kv_reserved
+            handle.kv_reserved = nbytes
 
     def _drop_cancelled(self) -> None:
         for handle in [h for h in self._running if h.cancelled.is_set()]:
@@ -315,7 +359,7 @@ class RequestScheduler:
             self._retire(handle, error=exc)
             return
         if delta:
-            handle._send(_DELTA, delta)
+            handle._send(DELTA, delta)
         if decoding.done:
             self._retire(handle)
 
@@ -323,10 +367,11 @@ class RequestScheduler:
         with self._cond:
             if handle in self._running:
                 self._running.remove(handle)
+        self._hold(handle, 0)
         decoding, handle.decoding = handle.decoding, None
         if error is None and decoding is not None:
             self.finished += 1
-            handle._send(_DONE, decoding.result())
+            handle._send(DONE, decoding.result())
             return
         if decoding is not None:
             decoding.release()
@@ -334,7 +379,7 @@ class RequestScheduler:
             self.cancelled += 1
         else:
             self.failed += 1
-        handle._send(_ERROR, error)
+        handle._send(ERROR, error)
 
     def _fail_jobs(self) -> None:
         while self._jobs:

@@ -317,7 +317,8 @@ class BlendService:
             cause, quiet = "none-announced", tokens < LONG_PROMPT_TOKENS  # a short prompt may well be no RAG prompt
             reason = ("no chunk text was announced to this model, so nothing can be reused: add "
                       "CacheBlendNodePostprocessor(llm=llm) to the query engine (LlamaIndex) or wrap the retriever "
-                      "in CacheBlendRetriever (LangChain)")
+                      "in CacheBlendRetriever (LangChain); an agent's retriever tool: build it with "
+                      "cacheblend_retriever_tool (either framework)")
         elif any(_escaped(text) in prompt for text in latest if _escaped(text) != text):
             cause, quiet = "escaped", False
             reason = ("the prompt holds the announced chunks escaped, as a Python list's repr (LlamaIndex's "
@@ -343,7 +344,9 @@ class BlendService:
         self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True
     ) -> ServedStream:
         """Submit ``prompt``: its text deltas as the scheduler decodes them; ``close()`` drops it.
-        Raises :class:`~cacheblend_rag.serving.scheduler.SchedulerFullError` when the queue is full."""
+        Raises :class:`~cacheblend_rag.serving.scheduler.SchedulerFullError` when the queue is full; the
+        stream ends with :class:`~cacheblend_rag.serving.admission.KVBudgetError` when the prompt and
+        ``max_new_tokens`` need more KV memory than the scheduler's whole budget."""
         submitted = time.perf_counter()
         prepared: list[PreparedPrompt] = []
 
@@ -359,7 +362,12 @@ class BlendService:
             return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio,
                           self.prefix_cache if reuse else None, self.segment_cache if reuse else None)
 
-        return self.scheduler.submit(start, finish)
+        def kv_tokens() -> int:  # on the worker, once queued: the KV it will hold, for the scheduler's budget
+            tokens = len(self.engine.tokenize(prompt))
+            # The prompt and room for the answer, as Decoding sizes its buffers (the last token is never fed).
+            return tokens + max(1, min(generation.max_new_tokens - 1, self.engine.context_window - tokens))
+
+        return self.scheduler.submit(start, finish, kv_tokens=kv_tokens)
 
     def generate(self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True) -> Served:
         stream = self.stream(prompt, generation, blend, reuse=reuse)

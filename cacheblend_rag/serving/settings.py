@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional, Union
 
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import ByteSize, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
@@ -36,10 +36,12 @@ from cacheblend_rag.serving.arguments import (
     checked_as_given,
     hugging_face_spellings,
     unknown_names_error,
+    with_generate_kwargs,
 )
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.pickling import PicklesWithoutEngine
-from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, segment_cache_for, shared_engine
+from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, scheduler_for, segment_cache_for
+from cacheblend_rag.serving.registry import shared_engine
 from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
@@ -161,6 +163,16 @@ class CacheBlendSettings(PicklesWithoutEngine):
         "folder, Redis), so replicas share prefixes. Off by default: blocks are stored losslessly, every new "
         "block of every request is written, and a store sized for chunks fills up; a memory store never holds them.",
     )
+    # --- the engine's scheduler, shared by every object on the engine (the last one set wins)
+    max_queued_requests: Optional[int] = Field(
+        default=None, ge=1, description="Requests that may wait beyond the running ones; one more is refused at once "
+        "(SchedulerFullError). None: the scheduler's own (256). docs/operations.md, 'Sizing'.",
+    )
+    kv_budget_bytes: Optional[ByteSize] = Field(
+        default=None, gt=0, description="KV memory the running requests may hold together, in bytes or with a unit "
+        "('4GB'): a request that does not fit waits, one that never could is refused (KVBudgetError). None: sized "
+        "from the memory free when the scheduler starts (half on a CPU, 80% on a GPU).",
+    )
 
     # --- BlendConfig (cacheblend_rag.config.BlendConfig has their full meaning)
     recompute_ratio: float = Field(default=_DEFAULTS.recompute_ratio, description="Share of cached tokens recomputed.")
@@ -243,8 +255,10 @@ class CacheBlendSettings(PicklesWithoutEngine):
         default=0, description="End-of-sequence is not sampled before the answer holds this many tokens."
     )
 
-    # The Hugging Face integrations' spellings a user brings (HuggingFaceLLM, ChatHuggingFace): accepted,
-    # and turned into these fields (see serving.arguments.hugging_face_spellings).
+    # As HuggingFaceLLM and HuggingFacePipeline take it; keys with a field here set it (serving.arguments).
+    generate_kwargs: Dict[str, Any] = Field(default_factory=dict, description="model.generate's keyword arguments: "
+        "max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size, "
+        "stop_strings, eos_token_id, seed; a call may pass its own. num_beams>1 and the like are refused, saying why.")
     _max_tokens_field: ClassVar[str] = "max_new_tokens"
 
     _service: BlendService = PrivateAttr()
@@ -359,6 +373,10 @@ class CacheBlendSettings(PicklesWithoutEngine):
         prefix_cache = prefix_cache_for(engine, self.chunk_cache, parse_size(self.prefix_cache_bytes),
                                         in_store=self.prefix_cache_in_store)
         segment_cache = segment_cache_for(engine, parse_size(self.segment_cache_bytes))
+        limits = {name: int(value) for name in ("max_queued_requests", "kv_budget_bytes")
+                  if (value := getattr(self, name)) is not None}
+        if limits:
+            scheduler_for(engine).configure(**limits)
         return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks), prefix_cache,
                             segment_cache)
 
@@ -422,10 +440,11 @@ class CacheBlendSettings(PicklesWithoutEngine):
 
     def generation_config_with(self, max_new_tokens: int, stop: Optional[list], overrides: dict[str, Any]
                                ) -> GenerationConfig:
-        """The generation config of one call: these fields, then the call's ``overrides``."""
+        """The generation config of one call: these fields and ``generate_kwargs``, then the call's ``overrides``."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
         values.update({k: v for k, v in overrides.items() if k in SAMPLING_FIELDS and v is not None})
-        return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()), **values)
+        values.update(max_new_tokens=max_new_tokens, stop=tuple(stop or ()))
+        return GenerationConfig(**with_generate_kwargs(type(self).__name__, values, self.generate_kwargs, overrides))
 
 
 __all__ = ["BLEND_FIELDS", "CacheBlendSettings", "ConfigError", "SAMPLING_FIELDS", "unknown_names_error"]

@@ -71,7 +71,9 @@ def test_a_decoded_token_reads_back_only_its_id(options):
 
 def _reference_sample(sampler: TokenSampler, seen: set[int], generator: torch.Generator | None,
                       logits: torch.Tensor, generated: Sequence[int]) -> int:
-    """The sampler as it was before it ran on the device (the vocabulary copied to the host, ``multinomial``)."""
+    """The sampler as it was before it ran on the device (the vocabulary copied to the host, ``multinomial``),
+    top-p as transformers breaks ties (tests/engine/test_sampling_processors.py holds the two rules equal
+    on logits without ties)."""
     cfg = sampler.cfg
     if sampler.eos and len(generated) < cfg.min_new_tokens:
         held = logits.index_fill(-1, torch.tensor(sampler.eos), float("-inf"))
@@ -90,9 +92,11 @@ def _reference_sample(sampler: TokenSampler, seen: set[int], generator: torch.Ge
         kth = torch.topk(scores, min(cfg.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_scores.softmax(-1) >= cfg.top_p
+        # transformers' TopPLogitsWarper's rule (ascending order): it keeps the same tokens as the descending
+        # one the sampler had, but for which of two tokens with equal scores at the boundary (bfloat16 logits)
+        sorted_scores, order = torch.sort(scores)
+        drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - cfg.top_p
+        drop[-1] = False
         scores[order[drop]] = float("-inf")
     probs = scores.softmax(-1)
     if cfg.min_p > 0.0:

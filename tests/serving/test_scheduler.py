@@ -227,15 +227,16 @@ def test_a_failing_decode_step_is_retried_request_by_request(monkeypatch):
 def test_a_full_queue_refuses_with_a_clear_error():
     engine = tiny_engine("llama", seed=17)
     segments = prompts(engine, 1)
-    scheduler = RequestScheduler(engine, SchedulerConfig(max_waiting=2))
+    scheduler = RequestScheduler(engine, SchedulerConfig(max_queued_requests=2))
     try:
         gate = Gate(scheduler)
         queued = [submit(scheduler, engine, segments[0]) for _ in range(2)]
-        with pytest.raises(SchedulerFullError, match="max_waiting=2"):
+        with pytest.raises(SchedulerFullError, match=r"max_queued_requests=2\).*raise the limit with max_queued_requests"):
             submit(scheduler, engine, segments[0])
         gate.release.set()
         assert all(h.result().token_ids for h in queued)
-        assert scheduler.stats()["rejected"] == 1
+        stats = scheduler.stats()
+        assert stats["rejected"] == stats["refused_queue_full"] == 1 and stats["refused_kv_budget"] == 0
     finally:
         scheduler.close()
 
@@ -319,8 +320,22 @@ def test_config_is_validated():
 
     with pytest.raises(ConfigError, match="max_batch_size"):
         SchedulerConfig(max_batch_size=0)
-    with pytest.raises(ConfigError, match="max_waiting"):
-        SchedulerConfig(max_waiting=-1)
+    with pytest.raises(ConfigError, match="max_queued_requests"):
+        SchedulerConfig(max_queued_requests=-1)
+    with pytest.raises(ConfigError, match="kv_budget_bytes"):
+        SchedulerConfig(kv_budget_bytes=0)
+
+
+def test_max_waiting_is_a_deprecated_name_of_max_queued_requests():
+    from cacheblend_rag.errors import ConfigError
+
+    with pytest.warns(DeprecationWarning, match="max_queued_requests"):
+        config = SchedulerConfig(max_waiting=3)
+    assert config.max_queued_requests == 3
+    with pytest.warns(DeprecationWarning, match="max_queued_requests"):
+        assert config.max_waiting == 3
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="both given"):
+        SchedulerConfig(max_waiting=3, max_queued_requests=4)
 
 
 @pytest.fixture(scope="module")

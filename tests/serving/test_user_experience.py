@@ -57,7 +57,7 @@ def test_hugging_face_spellings_are_honoured(cls, model_folder):
 @pytest.mark.parametrize("cls", [CacheBlendLLM, ChatCacheBlend])
 @pytest.mark.parametrize("arguments, message", [
     ({"recompute_ration": 0.3}, r"'recompute_ration' \(did you mean 'recompute_ratio'\?\)"),
-    ({"generate_kwargs": {"num_beams": 4}}, r"cannot honour generate_kwargs \['num_beams'\]"),
+    ({"generate_kwargs": {"num_beams": 4}}, r"cannot honour generate_kwargs num_beams=4: beam search"),
     ({"device_map": "balanced"}, r"a blend runs the whole model on one device"),
     ({"model_name": "tiny-qwen2", "model": "tiny-llama"}, r"pass only model="),
     ({"storage_dtype": "int3"}, r"storage_dtype='int3' is not supported"),

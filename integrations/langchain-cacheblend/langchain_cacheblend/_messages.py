@@ -1,16 +1,13 @@
-"""LangChain messages to the one prompt string the model's chat template renders, and the model's
-thinking taken out of its answer."""
+"""LangChain messages to the one prompt string the model's chat template renders."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
 
 from cacheblend_rag.errors import BlendInputError
-from cacheblend_rag.serving.thinking import split_thinking, thinks
-from cacheblend_rag.serving.tools import call_text
+from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
 
 
 def _role(message: BaseMessage) -> str:
@@ -52,46 +49,30 @@ def _text(message: BaseMessage, index: int) -> str:
     return "".join(parts)
 
 
-def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` as chat templates expect. An AI message's tool calls are written as the
-    JSON the model answers a call with (``cacheblend_rag.serving.tools``); message names are dropped."""
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """``[{"role", "content"}]`` as Hugging Face chat templates take them: an AI message's tool calls as
+    ``tool_calls`` (with their ids), a tool message with the ``tool_call_id`` it answers and its tool's
+    ``name`` (:mod:`cacheblend_rag.serving.tool_chat`); other message names are dropped."""
     out = []
     for i, m in enumerate(messages):
         content = _text(m, i)
         if isinstance(m, AIMessage) and m.tool_calls:
-            calls = "\n".join(call_text(c["name"], c["args"]) for c in m.tool_calls)
-            content = f"{content}\n{calls}" if content else calls
-        out.append({"role": _role(m), "content": content})
+            out.append(assistant_turn(content, [(c.get("id"), c["name"], c["args"]) for c in m.tool_calls]))
+        elif isinstance(m, ToolMessage):
+            out.append(tool_turn(content, m.tool_call_id, m.name))
+        else:
+            out.append({"role": _role(m), "content": content})
     return out
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage],
-                  template_kwargs: Mapping[str, Any] | None = None) -> str:
+def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage], template_kwargs: Mapping[str, Any] | None = None,
+                  functions: Sequence[dict[str, Any]] = (), required: bool = False) -> str:
     """The prompt text, ending with the assistant's opening, from the tokenizer's chat template
-    (``template_kwargs``: its own variables, e.g. ``enable_thinking``)."""
+    (``template_kwargs``: its own variables, e.g. ``enable_thinking``), with the bound tools' ``functions``
+    listed in the model's own format where the template has one, else in our system turn
+    (:func:`cacheblend_rag.serving.tool_chat.render_chat`)."""
     if not messages:
         raise BlendInputError("no messages to answer; pass at least one message")
-    chat = to_chat_dicts(messages)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
-    # Base models have no template: a plain transcript that ends where the answer begins.
-    lines = [f"{m['role']}: {m['content']}" for m in chat]
-    return "\n".join(lines) + "\nassistant:"
+    return render_chat(tokenizer, to_chat_dicts(messages), functions, required=required,
+                       template_kwargs=template_kwargs)
 
-
-def reasoning_apart(result: ChatResult, tokenizer: Any) -> ChatResult:
-    """``result`` with a thinking model's ``<think>...</think>`` moved out of the answer into
-    ``additional_kwargs["reasoning_content"]``, where langchain-ollama and langchain-deepseek put it."""
-    if not thinks(tokenizer):
-        return result
-    generations = []
-    for generation in result.generations:
-        message = generation.message
-        if isinstance(message.content, str):
-            thought = split_thinking(message.content)
-            if thought.answer != message.content:
-                kwargs = {**message.additional_kwargs, "reasoning_content": thought.reasoning}
-                message = message.model_copy(update={"content": thought.answer, "additional_kwargs": kwargs})
-        generations.append(ChatGeneration(message=message, generation_info=generation.generation_info))
-    return ChatResult(generations=generations, llm_output=result.llm_output)

@@ -28,7 +28,7 @@ from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.language_models import LanguageModelInput, ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, SystemMessage, ToolCallChunk
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolCallChunk
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
@@ -43,22 +43,21 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
+from cacheblend_rag.serving.answer_stream import AnswerStream
 from cacheblend_rag.serving.tool_stream import ToolCallStream
-from cacheblend_rag.serving.tools import (
-    chosen_tools,
-    constrained,
-    tool_functions,
-    tools_instruction,
-)
+from cacheblend_rag.serving.thinking import Thought
+from cacheblend_rag.serving.tool_formats import tool_format
+from cacheblend_rag.serving.tools import chosen_tools, constrained, tool_functions
 from cacheblend_rag.store import WarmSummary
-from langchain_cacheblend._messages import reasoning_apart, render_prompt
+from langchain_cacheblend._messages import render_prompt
 from langchain_cacheblend._profile import model_profile
+from langchain_cacheblend._tool_results import tool_result_documents
 
 logger = logging.getLogger(__name__)
 
 _GENERATION_OPTIONS = ("max_tokens", *SAMPLING_FIELDS)
 _CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model", "tools", "tool_choice",
-                           "parallel_tool_calls", "response_format"})
+                           "parallel_tool_calls", "response_format", "generate_kwargs", "pipeline_kwargs"})
 
 
 @dataclass
@@ -68,6 +67,7 @@ class _CallSettings:
     timeout: float | None
     tools: list[dict[str, Any]]  # the functions a call may use ([]: none)
     tool_required: bool
+    parallel_tool_calls: bool  # False: only the first of several calls in one answer is kept
 
 
 class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
@@ -96,7 +96,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
 
     Key init args (completion):
         max_tokens, temperature (0 is greedy; unset: the model's generation config), top_p, top_k,
-        min_p, repetition_penalty, seed, stop, timeout.
+        min_p, repetition_penalty, seed, stop, timeout; generate_kwargs (model.generate's keyword
+        arguments, as HuggingFacePipeline takes them; also per call).
 
     Instantiate:
         .. code-block:: python
@@ -204,10 +205,9 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         call with them bound describes them. What ``trim_messages(token_counter=llm)`` counts."""
         if not messages:
             return 0
-        if tools:
-            functions = tool_functions([convert_to_openai_tool(tool) for tool in tools])
-            messages = [SystemMessage(tools_instruction(functions, False)), *messages]
-        return len(self.get_token_ids(render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs)))
+        functions = tool_functions([convert_to_openai_tool(tool) for tool in tools or ()])
+        prompt = render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs, functions)
+        return len(self.get_token_ids(prompt))
 
     # ------------------------------------------------------------------ engine
     def get_engine(self) -> CacheBlendEngine:
@@ -238,6 +238,17 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         self.announce_chunks(texts)
         return summary
 
+    def _announce_tool_results(self, messages: Sequence[BaseMessage]) -> None:
+        """Agentic RAG: documents tool messages carry as their artifact (a retriever tool's with
+        ``response_format="content_and_artifact"``) are chunks this call blends. The ones not announced yet
+        (a retriever tool without CacheBlendRetriever, a replayed conversation) are warmed, the store's
+        misses counted as ``precomputed_for_request``, and announced."""
+        if not self.reuse_chunk_kv:
+            return
+        texts = self.service.announced.unannounced(d.page_content for d in tool_result_documents(messages))
+        if texts:
+            self.warm(texts, show_progress=False, for_request=True)
+
     # ---------------------------------------------------------------- settings
     def _blend_config(self, options: dict[str, Any]) -> BlendConfig:
         return self.blend_config_with({k: v for k, v in options.items() if k in BLEND_FIELDS})
@@ -262,8 +273,10 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds, or None")
         tools, required = chosen_tools(tool_functions(options.get("tools") or []), options.get("tool_choice"))
-        generation = constrained(self._generation_config(options, stop), tools, required, options.get("response_format"))
-        return _CallSettings(generation, self._blend_config(options), timeout, tools, required)
+        generation = constrained(self._generation_config(options, stop), tools, required, options.get("response_format"),
+                                 tool_format(self.get_engine().tokenizer).arguments_key)
+        parallel = options.get("parallel_tool_calls") is not False
+        return _CallSettings(generation, self._blend_config(options), timeout, tools, required, parallel)
 
     # -------------------------------------------------------------- generation
     def _stream(
@@ -276,29 +289,32 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         # Token callbacks are fired by BaseChatModel for every chunk yielded here.
         settings = self._call_settings(stop, kwargs)
         started = time.perf_counter()
-        if settings.tools:
-            messages = [SystemMessage(tools_instruction(settings.tools, settings.tool_required)), *messages]
-        prompt = render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs)
+        tokenizer = self.get_engine().tokenizer
+        self._announce_tool_results(messages)
+        prompt = render_prompt(tokenizer, messages, self.chat_template_kwargs, settings.tools, settings.tool_required)
         stream = self.service.stream(prompt, settings.generation, settings.blend, reuse=self.reuse_chunk_kv)
-        # With tools bound, text is held only while the answer may still be a call.
-        calls = ToolCallStream(settings.tools) if settings.tools else None
+        # A thinking model's thinking streams as reasoning_content; with tools bound, the answer after it is
+        # held only while it may still be a call.
+        calls = ToolCallStream.for_tokenizer(tokenizer, settings.tools, required=settings.tool_required,
+                                             parallel=settings.parallel_tool_calls) if settings.tools else None
+        answer = AnswerStream.for_prompt(tokenizer, prompt, calls)
         try:
             for delta in stream:
                 if settings.timeout is not None and time.perf_counter() - started > settings.timeout:
                     raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
-                shown = calls.feed(delta) if calls is not None else delta
-                if shown:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=shown))
+                shown = answer.feed(delta)
+                if shown.reasoning or shown.answer:
+                    yield _text_chunk(shown)
             served = stream.result()
         finally:
             stream.close()
-        if calls is not None:
-            rest, call = calls.finish()
-            if rest:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=rest))
-            if call is not None:
-                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
-                    ToolCallChunk(name=call.name, args=json.dumps(call.arguments), id=call.id, index=0)]))
+        rest, call = answer.finish()
+        if rest.reasoning or rest.answer:
+            yield _text_chunk(rest)
+        if call is not None:  # every call of the answer, in order (parallel calls)
+            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+                for i, c in enumerate(calls.calls)]))
         result = served.result
         usage = UsageMetadata(
             input_tokens=result.prompt_tokens,
@@ -307,7 +323,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             input_token_details=InputTokenDetails(cache_read=result.stats.reused_tokens),
         )
         # The stats under one key, beside LangChain's own (finish_reason comes from generation_info).
-        metadata = {"model_name": self.model, "model_provider": "cacheblend", "cacheblend": self.stats_of(served)}
+        stats = {**self.stats_of(served), **(calls.stats() if calls is not None else {})}
+        metadata = {"model_name": self.model, "model_provider": "cacheblend", "cacheblend": stats}
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"
@@ -322,9 +339,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        # One code path for invoke and stream, so both give the same answer and stats.
-        return reasoning_apart(generate_from_stream(self._stream(messages, stop=stop, **kwargs)),
-                               self.get_engine().tokenizer)
+        # One code path for invoke and stream, so both give the same answer, reasoning and stats.
+        return generate_from_stream(self._stream(messages, stop=stop, **kwargs))
 
     async def _astream(
         self,
@@ -356,7 +372,10 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         tool_choice: dict | str | bool | None = None, **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools: the model may answer with a call (``tool_choice`` "auto", the default), must call one
-        ("any", "required" or a tool's name; decoding is then constrained to a valid call), or none ("none")."""
+        ("any", "required" or a tool's name; decoding is then constrained to a valid call), or none ("none").
+        Tools are listed in the model's own format where its chat template has one (Qwen2.5's ``<tool_call>``,
+        Llama 3's JSON), else in a system turn of ours; an answer's several calls all land in ``tool_calls``
+        unless ``parallel_tool_calls=False`` (the first is kept; ``dropped_tool_calls`` in the stats)."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         chosen_tools(tool_functions(formatted), tool_choice)  # a choice naming no bound tool fails here
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
@@ -400,8 +419,14 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        result = await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
-        return reasoning_apart(result, self.get_engine().tokenizer)
+        return await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
+
+
+def _text_chunk(shown: Thought) -> ChatGenerationChunk:
+    """A chunk of answer text, with its thinking in ``additional_kwargs["reasoning_content"]`` (as
+    langchain-ollama streams it; the chunks' sum holds the whole reasoning there)."""
+    reasoning = {"reasoning_content": shown.reasoning} if shown.reasoning else {}
+    return ChatGenerationChunk(message=AIMessageChunk(content=shown.answer, additional_kwargs=reasoning))
 
 
 def _texts_of(items: Iterable[str | Document]) -> list[str]:

@@ -4,14 +4,12 @@ hints, chat template variables and a thinking model's reasoning kept apart from 
 
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, trim_messages
-from langchain_core.outputs import ChatGenerationChunk
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
 from langchain_core.tools import tool
 from pydantic import ValidationError
 
@@ -120,22 +118,7 @@ def test_chat_template_kwargs_reach_the_template(qwen3) -> None:
         ChatCacheBlend(engine=qwen3, chat_template_kwargs="enable_thinking=False")
 
 
-class Scripted(ChatCacheBlend):
-    """Answers with a fixed text, as a thinking model writes it (the tiny model's own text is random)."""
-
-    def _stream(self, messages: list, stop: Any = None, run_manager: Any = None, **kwargs: Any
-                ) -> Iterator[ChatGenerationChunk]:
-        for piece in ("<think>\nThe capital", " of France is Paris.\n</think>", "\n\nParis."):
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-
-
-def test_thinking_is_kept_apart_from_the_answer(qwen3, engine) -> None:
-    answer = Scripted(engine=qwen3).invoke("What is the capital of France?")
-    assert answer.content == "Paris."
-    assert answer.additional_kwargs["reasoning_content"] == "The capital of France is Paris."
-    assert asyncio.run(Scripted(engine=qwen3).ainvoke("Capital?")).content == "Paris."
-    # A model whose tokenizer has no thinking tags answers with whatever text it wrote.
-    assert Scripted(engine=engine).invoke("Capital?").content.startswith("<think>")
+# A thinking model's reasoning kept apart from its answer, streamed or not: test_thinking_stream.py.
 
 
 def test_readme_documents_the_new_fields() -> None:

@@ -38,23 +38,20 @@ from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
 from cacheblend_rag.serving.service import BlendService
-from cacheblend_rag.serving.thinking import split_thinking, thinks
+from cacheblend_rag.serving.answer_stream import AnswerStream
 from cacheblend_rag.serving.tool_stream import ToolCallStream
-from cacheblend_rag.serving.tools import (
-    ToolCall,
-    call_text,
-    chosen_tools,
-    constrained,
-    read_tool_call,
-    tool_functions,
-    tools_instruction,
-)
+from cacheblend_rag.serving.thinking import Thought
+from cacheblend_rag.serving.tool_chat import render_chat
+from cacheblend_rag.serving.tool_formats import tool_format
+from cacheblend_rag.serving.tools import ToolCall, chosen_tools, constrained, tool_functions, tools_instruction
 from cacheblend_rag.store import ChunkCache
+from llama_index.llms.cacheblend._chat_turns import chat_dicts
 
 logger = logging.getLogger(__name__)
 
 _CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIELDS, *BLEND_FIELDS, "tools",
-                           "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format"})
+                           "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format",
+                           "generate_kwargs"})
 
 
 class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
@@ -187,13 +184,15 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         return self.precompute_texts(list(texts), show_progress=show_progress, for_request=for_request)
 
     # ------------------------------------------------------------ prompting
-    def _render_messages(self, messages: Sequence[ChatMessage]) -> str:
+    def _render_messages(self, messages: Sequence[ChatMessage], kwargs: Optional[Dict[str, Any]] = None) -> str:
+        """The prompt of ``messages``, with the tools ``kwargs`` bind listed in the model's own format where
+        its chat template has one, else in our system turn (:func:`cacheblend_rag.serving.tool_chat.render_chat`)."""
         tokenizer = self.engine.tokenizer
+        tools, required = self._tools(kwargs or {})
         if self._custom_messages_to_prompt or not getattr(tokenizer, "chat_template", None):
-            return self.messages_to_prompt(messages)
-        turns = [{"role": _role_name(m.role), "content": _content(m)} for m in messages]
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
-                                             **self.chat_template_kwargs)
+            return self.messages_to_prompt(self._with_tools(messages, tools, required))
+        return render_chat(tokenizer, chat_dicts(messages), tools, required=required,
+                           template_kwargs=self.chat_template_kwargs)
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
         if formatted:
@@ -212,7 +211,8 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         stop = kwargs.get("stop") if kwargs.get("stop") is not None else self.stop
         generation = self.generation_config_with(max_new_tokens, stop, kwargs)
         tools, required = self._tools(kwargs)
-        generation = constrained(generation, tools, required, kwargs.get("response_format"))
+        generation = constrained(generation, tools, required, kwargs.get("response_format"),
+                                 tool_format(self.engine.tokenizer).arguments_key)
         blend = self.blend_config_with({k: kwargs[k] for k in BLEND_FIELDS if k in kwargs})
         return generation, blend
 
@@ -235,7 +235,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         if user_msg is not None:
             messages.append(user_msg if isinstance(user_msg, ChatMessage) else ChatMessage(role="user", content=user_msg))
         return {"messages": messages, "tools": [t.metadata.to_openai_tool(skip_length_check=True) for t in tools],
-                "tool_required": tool_required, **kwargs}
+                "tool_required": tool_required, "allow_parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
@@ -245,54 +245,57 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
             raise ValueError(f"expected a tool call, the model answered: {response.message.content!r}")
         return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
 
-    def _with_tools(self, messages: Sequence[ChatMessage], kwargs: Dict[str, Any]) -> List[ChatMessage]:
-        tools, required = self._tools(kwargs)
+    @staticmethod
+    def _with_tools(messages: Sequence[ChatMessage], tools: List[Dict[str, Any]], required: bool) -> List[ChatMessage]:
+        """``messages`` after our system turn listing ``tools`` (for a prompt without the chat template)."""
         if not tools:
             return list(messages)
         return [ChatMessage(role=MessageRole.SYSTEM, content=tools_instruction(tools, required)), *messages]
 
-    def _as_tool_call(self, response: ChatResponse, kwargs: Dict[str, Any]) -> ChatResponse:
-        """``response`` with its text read as a call of a bound tool, when it is one."""
-        tools, _ = self._tools(kwargs)
-        call = read_tool_call(response.message.content or "", tools) if tools else None
-        if call is None:
-            return response
-        return ChatResponse(message=_call_message(call), delta=response.delta,
-                            additional_kwargs=response.additional_kwargs, raw=response.raw)
+    def _answer(self, prompt: str, kwargs: Dict[str, Any]) -> tuple[AnswerStream, Optional[ToolCallStream]]:
+        """How an answer to ``prompt`` is shown: a thinking model's thinking apart, and with tools bound,
+        the answer after it held while it may still be a call (the second item: that call stream, or None).
+        ``allow_parallel_tool_calls=False`` keeps the first of several calls."""
+        tools, required = self._tools(kwargs)
+        calls = ToolCallStream.for_tokenizer(self.engine.tokenizer, tools, required=required,
+                                             parallel=kwargs.get("allow_parallel_tool_calls", True)) if tools else None
+        return AnswerStream.for_prompt(self.engine.tokenizer, prompt, calls), calls
 
-    def _stream_chat_with_tools(self, prompt: str, kwargs: Dict[str, Any]) -> Iterator[ChatResponse]:
-        """Text streams as soon as it cannot be the start of a call; the last response carries the stats
-        and, when the answer was a call, the call (as :meth:`chat` gives it)."""
-        calls = ToolCallStream(self._tools(kwargs)[0])
-        shown, previous = "", None
+    def _answered(self, prompt: str, response: ChatResponse, kwargs: Dict[str, Any]) -> ChatResponse:
+        """``response`` with its text read as a thinking model's thinking (a ``ThinkingBlock``, so
+        ``message.content`` is the answer alone and a later turn's prompt leaves the thinking out) and, with
+        tools bound, the answer after it as calls of bound tools, when it makes any."""
+        answer, calls = self._answer(prompt, kwargs)
+        thought, _ = answer.read(response.message.content or "")
+        message = _answer_message(thought.reasoning, thought.answer, calls.calls if calls else [])
+        stats = {**response.additional_kwargs, **(calls.stats() if calls else {})}
+        return response.model_copy(update={"message": message, "additional_kwargs": stats})
+
+    def _stream_chat(self, prompt: str, kwargs: Dict[str, Any]) -> ChatResponseGen:
+        """Text streams as soon as it cannot be the start of a call; a thinking model's thinking streams as
+        ``additional_kwargs["thinking_delta"]`` and the message's ``ThinkingBlock`` (as llama-index-llms-ollama
+        gives them). The last response carries the stats and, when the answer was a call, the call (as
+        :meth:`chat` gives it)."""
+        # A generator (not any iterator): LlamaIndex's callback decorator wraps only generators.
+        answer, calls = self._answer(prompt, kwargs)
+        reasoning, shown, previous = "", "", None
         for response in self._generate_stream(prompt, kwargs):  # its last response carries the stats
             if previous is not None:
-                delta = calls.feed(previous.delta or "")
-                if delta:
-                    shown += delta
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=shown), delta=delta)
+                part = answer.feed(previous.delta or "")
+                if part.reasoning or part.answer:
+                    reasoning, shown = reasoning + part.reasoning, shown + part.answer
+                    yield ChatResponse(message=_answer_message(reasoning, shown, []), delta=part.answer,
+                                       additional_kwargs=_thinking_delta(part.reasoning))
             previous = response
         assert previous is not None  # _generate_stream always ends with the response carrying the stats
-        delta = calls.feed(previous.delta or "")
-        rest, call = calls.finish()
-        delta += rest
-        shown += delta
-        message = ChatMessage(role=MessageRole.ASSISTANT, content=shown) if call is None else _call_message(call)
-        yield ChatResponse(message=message, delta=delta, additional_kwargs=previous.additional_kwargs,
+        part = answer.feed(previous.delta or "")
+        rest, _ = answer.finish()
+        part = Thought(part.reasoning + rest.reasoning, part.answer + rest.answer)
+        reasoning, shown = reasoning + part.reasoning, shown + part.answer
+        stats = {**previous.additional_kwargs, **(calls.stats() if calls else {})}
+        yield ChatResponse(message=_answer_message(reasoning, shown, calls.calls if calls else []), delta=part.answer,
+                           additional_kwargs={**stats, **_thinking_delta(part.reasoning)},
                            raw=previous.raw)
-
-    def _thinking_apart(self, response: ChatResponse) -> ChatResponse:
-        """A thinking model's ``<think>...</think>`` as the message's thinking block, apart from its text
-        (``message.content`` is then the answer alone, and a later turn's prompt leaves the thinking out)."""
-        text = response.message.content
-        if not text or not thinks(self.engine.tokenizer):
-            return response
-        thought = split_thinking(text)
-        if thought.answer == text:
-            return response
-        blocks = [ThinkingBlock(content=thought.reasoning), TextBlock(text=thought.answer)]
-        message = response.message.model_copy(update={"blocks": blocks})
-        return response.model_copy(update={"message": message})
 
     # ------------------------------------------------------------ generation
     def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
@@ -351,20 +354,13 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = _as_chat(self._generate(self._render_messages(self._with_tools(messages, kwargs)), kwargs))
-        return self._thinking_apart(self._as_tool_call(response, kwargs))
+        prompt = self._render_messages(messages, kwargs)
+        return self._answered(prompt, _as_chat(self._generate(prompt, kwargs)), kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        prompt = self._render_messages(self._with_tools(messages, kwargs))
+        prompt = self._render_messages(messages, kwargs)
         return self._stream_chat(prompt, kwargs)
-
-    def _stream_chat(self, prompt: str, kwargs: Dict[str, Any]) -> ChatResponseGen:
-        # A generator (not any iterator): LlamaIndex's callback decorator wraps only generators.
-        if self._tools(kwargs)[0]:
-            yield from self._stream_chat_with_tools(prompt, kwargs)
-        else:
-            yield from (_as_chat(r) for r in self._generate_stream(prompt, kwargs))
 
     # Async: the engine runs on the scheduler's worker thread, so the event loop stays free.
     @llm_completion_callback()
@@ -380,13 +376,13 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt = self._render_messages(self._with_tools(messages, kwargs))
+        prompt = self._render_messages(messages, kwargs)
         response = await self._agenerate(prompt, kwargs)
-        return self._thinking_apart(self._as_tool_call(_as_chat(response), kwargs))
+        return self._answered(prompt, _as_chat(response), kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        prompt = self._render_messages(self._with_tools(messages, kwargs))
+        prompt = self._render_messages(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
             async for response in iterate_in_thread(lambda: self._stream_chat(prompt, kwargs)):
@@ -395,21 +391,19 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         return gen()
 
 
-def _content(message: ChatMessage) -> str:
-    """A message's text; an assistant's tool calls written as the JSON the model answers a call with."""
-    calls = message.additional_kwargs.get("tool_calls") or []
-    text = "\n".join(call_text(c["name"], c["arguments"]) for c in calls if isinstance(c, dict) and "name" in c)
-    return "\n".join(part for part in (message.content or "", text) if part)
+def _answer_message(reasoning: str, text: str, calls: Sequence[ToolCall]) -> ChatMessage:
+    """The assistant's message: its thinking as a ``ThinkingBlock`` beside the text (what it wrote before any
+    call), and ``calls`` in the form ``get_tool_calls_from_response`` reads."""
+    blocks: List[Any] = [ThinkingBlock(content=reasoning)] if reasoning else []
+    blocks.append(TextBlock(text=text))
+    made = {"tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]} if calls else {}
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=made)
 
 
-def _call_message(call: ToolCall) -> ChatMessage:
-    """An assistant message that is ``call``, in the form ``get_tool_calls_from_response`` reads."""
-    return ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
-        "tool_calls": [{"id": call.id, "name": call.name, "arguments": call.arguments}]})
-
-
-def _role_name(role: Any) -> str:
-    return role.value if isinstance(role, MessageRole) else str(role)
+def _thinking_delta(reasoning: str) -> Dict[str, Any]:
+    """A response's ``additional_kwargs`` entry for its thinking delta, where FunctionAgent's ``AgentStream``
+    and llama-index-llms-ollama put it."""
+    return {"thinking_delta": reasoning} if reasoning else {}
 
 
 def _as_chat(response: CompletionResponse) -> ChatResponse:
