@@ -42,6 +42,7 @@ from cacheblend_rag.engine.results import GenerationResult
 from cacheblend_rag.errors import CacheBlendError
 from cacheblend_rag.serving.admission import KVLedger, ledger_for
 from cacheblend_rag.serving.request_handle import DELTA, DONE, ERROR, RequestCancelled, RequestHandle
+from cacheblend_rag.serving.memory_trim import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class RequestScheduler:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self._cond = threading.Condition()
+        self._retired_since_trim = False  # a request ended since the heap was last trimmed
         self._waiting: deque[RequestHandle[Any]] = deque()
         self._jobs: deque[_Job[Any]] = deque()
         self._running: list[RequestHandle[Any]] = []
@@ -205,6 +207,9 @@ class RequestScheduler:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
+                if self._retired_since_trim and self._idle():
+                    self._retired_since_trim = False
+                    release_free_memory()  # what the finished requests freed, back to the system (memory_trim)
                 with self._cond:
                     while not (self._waiting or self._jobs or self._running or self._closed):
                         self._cond.wait()
@@ -217,6 +222,10 @@ class RequestScheduler:
                     logger.exception("scheduler iteration failed")
                     for handle in list(self._running):  # _retire removes each from the list
                         self._retire(handle, error=exc)
+
+    def _idle(self) -> bool:
+        with self._cond:
+            return not (self._waiting or self._jobs or self._running or self._closed)
 
     def _iteration(self) -> None:
         self._job_step()
@@ -367,6 +376,7 @@ class RequestScheduler:
         with self._cond:
             if handle in self._running:
                 self._running.remove(handle)
+        self._retired_since_trim = True
         self._hold(handle, 0)
         decoding, handle.decoding = handle.decoding, None
         if error is None and decoding is not None:
