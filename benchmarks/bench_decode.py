@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ from cacheblend_rag import CacheBlendEngine, CachedSegment, FreshSegment, Genera
 from cacheblend_rag.bench.host_syncs import count_host_syncs  # noqa: E402
 from cacheblend_rag.engine.decode import decode_logits  # noqa: E402
 from cacheblend_rag.engine.generate import start_decoding  # noqa: E402
+from cacheblend_rag.models.dtype_choice import cpu_model_name
 
 
 # ------------------------------------------------------------------ operations per token
@@ -199,15 +198,6 @@ def smollm2_speed(chunks: int, chunk_tokens: int, new_tokens: int, rounds: int) 
             **decode_speed(engine, segments, ids, new_tokens, rounds)}
 
 
-def _cpu_name() -> str:
-    try:
-        out = subprocess.check_output(["lscpu"], text=True)
-        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                    platform.processor())
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops-only", action="store_true", help="count operations, skip the timing")
@@ -218,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    report: dict[str, Any] = {"cpu": _cpu_name(), "torch": torch.__version__}
+    report: dict[str, Any] = {"cpu": cpu_model_name(), "torch": torch.__version__}
     if not args.speed_only:
         report["ops per decoded token (top-level aten::)"] = count_shapes()
     if not args.ops_only:

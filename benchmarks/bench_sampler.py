@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cacheblend_rag import GenerationConfig
 from cacheblend_rag.engine.generate import TokenSampler
+from cacheblend_rag.models.dtype_choice import cpu_model_name
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -68,15 +67,6 @@ def measure(options: dict[str, Any], vocab: int, prompt_tokens: int, tokens: int
     return {"us_per_token": round(statistics.median(per_token) * 1e6, 1), "ops_per_token": ops}
 
 
-def _cpu_name() -> str:
-    try:
-        out = subprocess.check_output(["lscpu"], text=True)
-        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                    platform.processor())
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=49152, help="SmolLM2-135M's vocabulary")
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    report = {"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"cpu": cpu_model_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "sampler": TokenSampler.__module__, "vocab": args.vocab, "prompt_tokens": args.prompt_tokens,
               "settings": {name: measure(options, args.vocab, args.prompt_tokens, args.tokens, args.rounds)
                            for name, options in SETTINGS.items()}}

@@ -13,9 +13,7 @@ anew (vocabulary-wide) for each new list of stop strings a call brings.
 from __future__ import annotations
 
 import json
-import platform
 import random
-import subprocess
 import time
 
 import torch
@@ -23,19 +21,11 @@ from transformers import StopStringCriteria
 
 from cacheblend_rag.engine.detokenize import IncrementalText
 from cacheblend_rag.models.loader import load_model
+from cacheblend_rag.models.dtype_choice import cpu_model_name
 
 TEXTS = ["The answer is 42.\n\nQuestion: what?", "Observation: the tool said hi", "a .b , c", "日本語のテキスト。終わり",
          "User: hello\nAssistant: hi</s>", "```python\nprint(1)\n```\nDone", "Final Answer: yes", "x  y   z\n\n\n"]
 STOPS = ["\n\n", "Question:", "Observation:", " .", "。", "```\n", "Answer", "  ", "</s>", "\nAssistant"]
-
-
-def _cpu_name() -> str:
-    try:
-        out = subprocess.check_output(["lscpu"], text=True)
-        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                    platform.processor())
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
             agree += 1
         elif len(disagree) < 5:
             disagree.append({"text": text, "stops": stops, "text_check_at": by_text, "criteria_at": by_criteria})
-    print(json.dumps({"cpu": _cpu_name(), "torch": torch.__version__, "tokenizer vocabulary": len(tokenizer),
+    print(json.dumps({"cpu": cpu_model_name(), "torch": torch.__version__, "tokenizer vocabulary": len(tokenizer),
                       "answers": 300, "first stop agrees": agree, "disagreements": disagree,
                       "criteria build for a new stop list (s)": round(build_s, 3),
                       "text check per token (us, incl. decoding the text)": round(1e6 * text_s / tokens, 1),

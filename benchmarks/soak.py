@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cacheblend_rag.models.dtype_choice import cpu_model_name
+
 import soak_report
 from soak_env import DEFAULT_DATA, TMPFS_BYTES, disk_full, healthy_keys, load_corpus, start_env
 from soak_faults import FaultRunner, WarmJob, schedule
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "deadline_s": args.deadline, "max_new_tokens": args.max_new_tokens,
                          "questions": args.questions, "passages": args.passages,
                          "passage_tokens": args.passage_tokens, "timing_invariants": not args.no_timing},
-            "machine": {"cpu": soak_report.cpu_name(), "torch_threads": _torch_threads(),
+            "machine": {"cpu": cpu_model_name(), "torch_threads": _torch_threads(),
                         "model": engine.model_name, "dtype": dtype},
             "store": {"tiers": env.store.describe(),
                       "disk_full": "simulated (not root): the disk tier's writes fail with ENOSPC"

@@ -295,18 +295,6 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def wait_until(deadline: float, now: Callable[[], float]) -> None:
     while now() < deadline:
         time.sleep(min(0.5, deadline - now()))

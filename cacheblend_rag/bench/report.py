@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from cacheblend_rag.bench.methods import MethodSpec
+from cacheblend_rag.models.dtype_choice import cpu_model_name
 
 SCHEMA_VERSION = 1
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,16 +36,6 @@ def git_info(root: Path = _REPO_ROOT) -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -57,7 +48,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(),
         "cpu_count": os.cpu_count(),
         "usable_cores": usable_cores,
         "torch_threads": torch.get_num_threads(),
