@@ -23,47 +23,10 @@ units, 5.25x: the same bound to two digits.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-
-@dataclass(frozen=True)
-class LayerShapes:
-    """What the bound needs of a decoder: its depth and the weights one token passes through per layer."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-
-    @classmethod
-    def of(cls, config: Any) -> "LayerShapes":
-        """The shapes of a transformers config (a multimodal one's text config)."""
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        heads = int(config.num_attention_heads)
-        hidden = int(config.hidden_size)
-        return cls(
-            num_layers=int(config.num_hidden_layers),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
-            intermediate_size=int(config.intermediate_size),
-        )
-
-    def weights(self) -> dict[str, int]:
-        """Weights per token per layer: the Q/K/V/O projections and a gated MLP (biases and norms left out)."""
-        q = self.hidden_size * self.num_heads * self.head_dim
-        kv = self.hidden_size * self.num_kv_heads * self.head_dim
-        return {"q": q, "k": kv, "v": kv, "o": q, "mlp": 3 * self.hidden_size * self.intermediate_size}
-
-    @property
-    def qkv_share(self) -> float:
-        w = self.weights()
-        return (w["q"] + w["k"] + w["v"]) / sum(w.values())
+from cacheblend_rag.models.shapes import LayerShapes
 
 
 def work_bound(

@@ -27,6 +27,7 @@ import torch
 from pydantic import ByteSize
 
 from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.models.shapes import LayerShapes
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,8 @@ def readable(size: int) -> str:
 def kv_bytes_per_token(engine: Any) -> int:
     """Bytes of K/V one token takes in ``engine``'s dtype: 2 (K and V) x layers x KV heads x head dim
     x the dtype's size."""
-    # Read from the config (as bench.bound's LayerShapes does, a layer above this one), so that an engine
-    # without a layer-wise adapter, serving by full prefill, is sized too.
-    config = engine.model.config.get_text_config(decoder=True)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * engine.dtype.itemsize
+    # Read from the config, not the layer-wise adapter, so that an engine serving by full prefill is sized too.
+    return LayerShapes.of(engine.model.config).kv_bytes_per_token(engine.dtype.itemsize)
 
 
 def available_memory(device: torch.device) -> int:
