@@ -17,13 +17,14 @@ from cacheblend_rag.models.adapters import DecoderAdapter
 
 class AttentionGroup(NamedTuple):
     """Query rows that attend keys ``[0, key_end)`` in one call: through ``mask`` (additive), causally
-    (``causal``: the rows are positions ``0..key_end-1``), or with nothing to mask (one row at the last
-    key: every key is before it)."""
+    (``causal``: the rows are positions ``0..key_end-1``, or, with ``lead`` zero rows put in front of them,
+    positions ``lead..key_end-1``), or with nothing to mask (one row at the last key: every key is before it)."""
 
     rows: slice
     key_end: int
     mask: torch.Tensor | None
     causal: bool = False
+    lead: int = 0
 
 
 def causal_attention(a: DecoderAdapter, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -62,11 +63,20 @@ def attention_groups(
     attention work of the selected tokens. The masks are built on the device, once per set of positions."""
     m = len(host_positions)
     device = query_positions.device
+    windowed = window is not None and total > window
+    if not windowed and 0 < total - m <= m and host_positions[0] == total - m:
+        # Every position from ``total - m`` on (what follows an exact prefix, a cached chat's new turn): one
+        # causal call with the prefix's rows as zero queries in front, the same result as the masked groups
+        # (and bottom-right alignment is this exact mask here), faster: a CPU's flash kernel skips the upper
+        # triangle only when told the mask is causal. Computed and dropped, those rows cost a triangle of
+        # ``total - m`` keys, hence at most as many as the rows kept (a long history with a short turn keeps
+        # the groups). 3,061 tokens behind a 187-token exact prefix (SmolLM2, bfloat16, 2-core Xeon with AMX):
+        # the whole computation 1.85 s -> 1.53 s, full prefill of all 3,248 tokens 1.45 s.
+        return [AttentionGroup(slice(0, m), total, None, causal=True, lead=total - m)]
     groups = max(1, min(8, m // rows_per_group(device)))
     bottom_right = mask == "bottom_right"
     effective = torch.arange(total - m, total, device=device) if bottom_right else query_positions
     host = range(total - m, total) if bottom_right else host_positions
-    windowed = window is not None and total > window
     bounds = sorted({0, m, *(round(m * g / groups) for g in range(1, groups))})
     plan = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -119,8 +129,11 @@ class PartialAttention:
             k, v = key_layer, value_layer
             if group.key_end < key_layer.shape[2]:
                 k, v = k[:, :, : group.key_end], v[:, :, : group.key_end]
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.causal,
-                                                       scale=scale, enable_gqa=gqa))
+            if group.lead:
+                q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], group.lead, q.shape[3]), q], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.causal, scale=scale,
+                                                 enable_gqa=gqa)
+            outs.append(out[:, :, group.lead:] if group.lead else out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

@@ -247,6 +247,8 @@ class MergedLayers:
         if layout.prefix is not None:
             key_layer[0, :, :m].copy_(layout.prefix.kv[layer, 0])
             value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])
+        if not self._runs:
+            return key_layer, value_layer  # no chunk: past the prefix every key is still zero, nothing to rotate
         # One rotation of the rest of the layer: per-chunk rotations cost about twice as much on a CPU,
         # where each of their many small operations pays its own dispatch.
         self.a.apply_rope(self._raw_keys, *self._rope, out=key_layer[:, :, m:] if m else key_layer)

@@ -104,10 +104,12 @@ def test_the_decoding_cache_is_the_blends_tensors_as_a_first_update_leaves_them(
 
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("rows_per_group", [1, 4, 1024])
-@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 7, 19, 30, 31], [31], [3, 8, 20, 31]])
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 7, 19, 30, 31], [31], [3, 8, 20, 31],
+                                       list(range(10, 32)), list(range(20, 32))])
 def test_partial_attention_equals_masked_attention_over_every_key(monkeypatch, window, rows_per_group, positions):
-    """Groups without a mask (one row at the last key, or rows 0..k causally) and with one give what a dense
-    causal (and windowed) mask over all keys gives."""
+    """Groups without a mask (one row at the last key, rows 0..k causally, or every row from a short prefix's
+    end on, causally behind zero rows) and with one give what a dense causal (and windowed) mask over all keys
+    gives."""
     from cacheblend_rag.engine import attention
 
     engine = tiny_engine("mistral" if window else "llama", **({"sliding_window": window} if window else {}))
@@ -118,6 +120,8 @@ def test_partial_attention_equals_masked_attention_over_every_key(monkeypatch, w
     k, v = torch.randn(1, a.num_kv_heads, n, a.head_dim), torch.randn(1, a.num_kv_heads, n, a.head_dim)
     pos = torch.tensor(positions)
     got = attention.PartialAttention("exact")(a, 0, q, k, v, pos, positions)
+    plan = attention.attention_groups(pos, positions, n, "exact", window, q.dtype)
+    assert [g.lead for g in plan] == ([10] if positions == list(range(10, 32)) and not window else [0] * len(plan))
     key_pos = torch.arange(n)
     allowed = key_pos[None, :] <= pos[:, None]
     if window:
