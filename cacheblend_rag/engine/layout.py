@@ -223,11 +223,12 @@ class MergedLayers:
         self.shape = (1, a.num_kv_heads, layout.n, a.head_dim)
         self.room = room
         self.dtype = dtype
-        # One buffer for every layer's stored keys before RoPE, from the end of the prefix segment on;
-        # the positions no chunk covers stay zero.
+        # One buffer for every layer's stored keys before RoPE, from the end of the prefix segment on
+        # (written whole by each read: zeros where no chunk lies).
         m = layout.prefix_len
-        self._raw_keys = torch.zeros((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
+        self._raw_keys = torch.empty((1, a.num_kv_heads, layout.n - m, a.head_dim), dtype=dtype, device=cos.device)
         self._runs = contiguous_runs(layout.prompt_spans)
+        self._gaps: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # zero blocks between chunks (_pieces)
         self._rope = a.rope_tables(cos[:, m:], sin[:, m:])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,23 +237,55 @@ class MergedLayers:
         # K and V of the layer are the two halves of one buffer with ``room`` free positions after the
         # prompt: decoding writes its tokens there in place instead of copying the layer (DecodingKV).
         kv_heads, n = self.shape[1], self.shape[2]
-        buffer = torch.zeros((1, 2 * kv_heads, n + self.room, self.shape[3]), dtype=self.dtype, device=self.cos.device)
+        shape, device = (1, 2 * kv_heads, n + self.room, self.shape[3]), self.cos.device
+        if not self._runs:  # no chunk: past the prefix every key and value stays zero, nothing to rotate
+            buffer = torch.zeros(shape, dtype=self.dtype, device=device)
+            key_layer, value_layer = buffer[:, :kv_heads, :n], buffer[:, kv_heads:, :n]
+            self._copy_prefix(layer, key_layer, value_layer)
+            return key_layer, value_layer
+        # Every position is written below (the prefix copied, the rest by one concatenation each for K and V
+        # with zeros where no chunk lies); only the room is zeroed, not the whole layer.
+        buffer = torch.empty(shape, dtype=self.dtype, device=device)
+        buffer[:, :, n:].zero_()
         key_layer, value_layer = buffer[:, :kv_heads, :n], buffer[:, kv_heads:, :n]
-        # Chunks that sit side by side are written with one concatenation each for K and V, straight into
-        # the layer: per-chunk copies made a GPU blend wait on thousands of small launches (performance.md, GPU).
-        for start, end, first, last in self._runs:
-            keys, values = [k for k, _ in parts[first:last]], [v for _, v in parts[first:last]]
-            torch.cat(keys, dim=1, out=self._raw_keys[0, :, start - m : end - m])
-            torch.cat(values, dim=1, out=value_layer[0, :, start:end])
-        if layout.prefix is not None:
-            key_layer[0, :, :m].copy_(layout.prefix.kv[layer, 0])
-            value_layer[0, :, :m].copy_(layout.prefix.kv[layer, 1])
-        if not self._runs:
-            return key_layer, value_layer  # no chunk: past the prefix every key is still zero, nothing to rotate
+        # One concatenation of the layer's chunks and the zero gaps between them for K, one for V, straight
+        # into place: one per run of chunks was 20 a layer for ten passages apart, and per-chunk copies made a
+        # GPU blend wait on thousands of small launches (performance.md, GPU). On a CPU the copy is bound by
+        # memory either way (30 layers of 3,000 tokens: 80 ms before and after, SmolLM2 bfloat16).
+        keys, values = self._pieces(parts, 0), self._pieces(parts, 1)
+        torch.cat(keys, dim=1, out=self._raw_keys[0])
+        torch.cat(values, dim=1, out=value_layer[0, :, m:])
+        self._copy_prefix(layer, key_layer, value_layer)
         # One rotation of the rest of the layer: per-chunk rotations cost about twice as much on a CPU,
         # where each of their many small operations pays its own dispatch.
         self.a.apply_rope(self._raw_keys, *self._rope, out=key_layer[:, :, m:] if m else key_layer)
         return key_layer, value_layer
+
+    def _copy_prefix(self, layer: int, key_layer: torch.Tensor, value_layer: torch.Tensor) -> None:
+        prefix, m = self.layout.prefix, self.layout.prefix_len
+        if prefix is not None:
+            key_layer[0, :, :m].copy_(prefix.kv[layer, 0])
+            value_layer[0, :, :m].copy_(prefix.kv[layer, 1])
+
+    def _pieces(self, parts: list[tuple[torch.Tensor, torch.Tensor]], which: int) -> list[torch.Tensor]:
+        """K (``which`` 0) or V of every chunk in prompt order, from the prefix's end to the prompt's, with a
+        zero block (in the parts' dtype, made once a blend) wherever fresh tokens lie between them."""
+        pieces: list[torch.Tensor] = []
+        at = self.layout.prefix_len
+        for start, end, first, last in self._runs:
+            if start > at:
+                pieces.append(self._zeros(start - at, parts[first][which]))
+            pieces.extend(part[which] for part in parts[first:last])
+            at = end
+        if self.layout.n > at:
+            pieces.append(self._zeros(self.layout.n - at, parts[-1][which]))
+        return pieces
+
+    def _zeros(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        key = (length, like.dtype)
+        if key not in self._gaps:
+            self._gaps[key] = like.new_zeros((like.shape[0], length, like.shape[2]))
+        return self._gaps[key]
 
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blendable cached tokens' K (before RoPE) and V at ``layer``, ``[kv_heads, n_cached, head_dim]``."""
