@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.documents import Document
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage,
+                                     ToolMessage)
+from langchain_core.outputs import ChatGenerationChunk
 
 from cacheblend_rag.errors import BlendInputError
+from cacheblend_rag.serving.thinking import Thought
 from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
 
 
@@ -76,3 +80,21 @@ def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage], template_kwar
     return render_chat(tokenizer, to_chat_dicts(messages), functions, required=required,
                        template_kwargs=template_kwargs)
 
+
+def text_chunk(shown: Thought) -> ChatGenerationChunk:
+    """A chunk of answer text, with its thinking in ``additional_kwargs["reasoning_content"]`` (as
+    langchain-ollama streams it; the chunks' sum holds the whole reasoning there)."""
+    reasoning = {"reasoning_content": shown.reasoning} if shown.reasoning else {}
+    return ChatGenerationChunk(message=AIMessageChunk(content=shown.answer, additional_kwargs=reasoning))
+
+
+def texts_of(items: Iterable[str | Document]) -> list[str]:
+    texts: list[str] = []
+    for item in items:
+        if isinstance(item, Document):
+            texts.append(item.page_content)
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise TypeError(f"expected chunk texts or Documents, got {type(item).__name__}")
+    return texts

@@ -20,7 +20,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, ClassVar, Iterable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -30,12 +29,11 @@ from langchain_core.language_models.chat_models import agenerate_from_stream, ge
 from langchain_core.language_models import LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolCallChunk
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
 from cacheblend_rag.concurrency import iterate_in_thread
@@ -45,12 +43,12 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
 from cacheblend_rag.serving.answer_stream import AnswerStream
 from cacheblend_rag.serving.tool_stream import ToolCallStream
-from cacheblend_rag.serving.thinking import Thought
 from cacheblend_rag.serving.tool_formats import tool_format
 from cacheblend_rag.serving.tools import chosen_tools, constrained, tool_functions
 from cacheblend_rag.store import WarmSummary
-from langchain_cacheblend._messages import render_prompt
+from langchain_cacheblend._messages import render_prompt, text_chunk, texts_of
 from langchain_cacheblend._profile import model_profile
+from langchain_cacheblend._structured import json_structured_output
 from langchain_cacheblend._tool_results import tool_result_documents
 
 logger = logging.getLogger(__name__)
@@ -222,7 +220,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
 
     def announce_chunks(self, texts: Iterable[str | Document]) -> None:
         """Tell the model that coming prompts may contain these chunk texts verbatim."""
-        self.service.announce(_texts_of(texts))
+        self.service.announce(texts_of(texts))
 
     def forget_chunks(self) -> None:
         """Stop looking for any announced chunk text (cached KV stays in the chunk cache)."""
@@ -233,7 +231,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         """Precompute the KV of chunks not yet cached, and announce them all. ``for_request`` (the
         retriever's at query time): the coming call's stats count the chunks computed here as
         ``precomputed_for_request`` rather than as store hits."""
-        texts = _texts_of(items)
+        texts = texts_of(items)
         summary = self.precompute_texts(texts, show_progress=show_progress, for_request=for_request)
         self.announce_chunks(texts)
         return summary
@@ -304,13 +302,13 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
                     raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
                 shown = answer.feed(delta)
                 if shown.reasoning or shown.answer:
-                    yield _text_chunk(shown)
+                    yield text_chunk(shown)
             served = stream.result()
         finally:
             stream.close()
         rest, call = answer.finish()
         if rest.reasoning or rest.answer:
-            yield _text_chunk(rest)
+            yield text_chunk(rest)
         if call is not None:  # every call of the answer, in order (parallel calls)
             yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                 ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
@@ -394,23 +392,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
                 raise ValueError("method='function_calling' needs a schema: a pydantic class, a TypedDict or a "
                                  "JSON schema (or use method='json_mode' for any JSON object)")
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if method not in ("json_schema", "json_mode"):
-            raise ValueError(f"method={method!r}; choose 'function_calling', 'json_schema' or 'json_mode'")
-        kwargs.pop("strict", None)
-        if kwargs:
-            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
-        if schema is None and method == "json_schema":
-            raise ValueError("method='json_schema' needs a schema (or use method='json_mode' for any JSON object)")
-        is_pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
-        response_format = convert_to_json_schema(schema) if schema is not None else {"type": "json_object"}
-        llm = self.bind(response_format=response_format,
-                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
-        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+        return json_structured_output(self, schema, method, include_raw, kwargs)
 
     async def _agenerate(
         self,
@@ -420,25 +402,6 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         **kwargs: Any,
     ) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop=stop, **kwargs))
-
-
-def _text_chunk(shown: Thought) -> ChatGenerationChunk:
-    """A chunk of answer text, with its thinking in ``additional_kwargs["reasoning_content"]`` (as
-    langchain-ollama streams it; the chunks' sum holds the whole reasoning there)."""
-    reasoning = {"reasoning_content": shown.reasoning} if shown.reasoning else {}
-    return ChatGenerationChunk(message=AIMessageChunk(content=shown.answer, additional_kwargs=reasoning))
-
-
-def _texts_of(items: Iterable[str | Document]) -> list[str]:
-    texts: list[str] = []
-    for item in items:
-        if isinstance(item, Document):
-            texts.append(item.page_content)
-        elif isinstance(item, str):
-            texts.append(item)
-        else:
-            raise TypeError(f"expected chunk texts or Documents, got {type(item).__name__}")
-    return texts
 
 
 __all__ = ["ChatCacheBlend"]
