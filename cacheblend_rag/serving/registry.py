@@ -112,6 +112,29 @@ def shared_engine(
         return engine
 
 
+def release_engine(engine: CacheBlendEngine, timeout: float | None = 10.0) -> bool:
+    """Let ``engine`` go: the registry forgets it (the next :func:`shared_engine` of its arguments loads the
+    model again), its scheduler cancels what waits or runs and stops (its worker joined for up to ``timeout``
+    seconds), and its chunk, prefix and segment caches are dropped. Its memory is freed once nothing else holds it: model
+    objects built on it hold it too and cannot answer any more (their scheduler is closed); build new ones.
+    A process serving several models one after another calls this to get each one's memory back. Returns
+    whether the registry or a scheduler held it."""
+    with _registry_lock:
+        keys = [key for key, held in _engines.items() if held is engine]
+        for key in keys:
+            del _engines[key]
+        _recipes.pop(engine, None)
+        # The slot holds the engine itself, so the weak table alone would never let it go.
+        slot = _slots.pop(engine, None)
+    if slot is not None:
+        slot.scheduler.close(timeout)
+        with slot.lock:
+            slot.chunk_caches.clear()
+            slot.prefix_caches.clear()
+            slot.segment_cache = None
+    return bool(keys) or slot is not None
+
+
 def recipe_of(engine: CacheBlendEngine) -> EngineRecipe | None:
     """How ``engine`` was loaded, if the registry loaded it (``None`` for an engine built by the caller)."""
     with _registry_lock:

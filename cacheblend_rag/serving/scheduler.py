@@ -149,7 +149,9 @@ class RequestScheduler:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this scheduler is closed; make a new one (serving.scheduler_for) for new requests")
+            raise RuntimeError("this scheduler is closed (its engine was released with serving.release_engine, or it "
+                               "was closed); build a new model object, or get a new scheduler from "
+                               "serving.scheduler_for(engine)")
 
     def _wake(self) -> None:
         if self._thread is None:
@@ -202,6 +204,7 @@ class RequestScheduler:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        atexit.unregister(self.close)  # its registration held the scheduler, and so its engine, for good
 
     # ------------------------------------------------------------ the worker
     def _loop(self) -> None:

@@ -69,3 +69,29 @@ def test_the_three_spellings_of_the_default_model_share_one_engine(monkeypatch) 
     other_settings = ChatCacheBlend(recompute_ratio=0.3, temperature=0.7, seed=1, max_tokens=5)
     assert other_settings.engine is first.engine
     assert CacheBlendLLM(device="auto", max_new_tokens=5).engine is first.engine
+
+
+def test_a_released_engine_is_forgotten_stopped_and_freed() -> None:
+    """release_engine: the next shared_engine loads anew, the scheduler's worker stops, model objects on it
+    say so, and once they are gone nothing holds the engine (the registry's slot held it for good before)."""
+    import gc
+    import weakref
+
+    from cacheblend_rag.serving import release_engine, scheduler_for
+
+    llm = ChatCacheBlend(model="tiny-qwen2", max_tokens=2)
+    engine = llm.get_engine()
+    assert engine is shared_engine("tiny-qwen2")
+    llm.invoke("hello")
+    scheduler = scheduler_for(engine)
+    assert release_engine(engine) and not release_engine(engine)
+    assert scheduler.closed and (scheduler._thread is None or not scheduler._thread.is_alive())
+    with pytest.raises(RuntimeError, match="scheduler is closed"):
+        llm.invoke("hello")
+    fresh = shared_engine("tiny-qwen2")
+    assert fresh is not engine
+    gone = weakref.ref(engine)
+    del llm, engine, scheduler
+    gc.collect()
+    assert gone() is None
+    assert release_engine(fresh)
