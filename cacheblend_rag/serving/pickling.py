@@ -77,6 +77,16 @@ class PicklesWithoutEngine(BaseModel):
         state["__pydantic_private__"] = private
         return state
 
+    def __deepcopy__(self, memo: Optional[dict[int, Any]] = None) -> "PicklesWithoutEngine":
+        """A copy that shares the model: as pickled and unpickled in this process (its settings deep-copied,
+        the same engine and chunk cache attached on first use, its own serving state). pydantic's would copy
+        the engine's locks and fail (``model_copy(deep=True)`` and ``copy.deepcopy`` both come here)."""
+        import copy
+
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # pydantic's own, also where a framework base (LlamaIndex's BaseComponent re-runs __init__, which
         # would load the model now and mark every field as set by the user) comes first.

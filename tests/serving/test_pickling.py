@@ -59,6 +59,18 @@ def test_a_pickle_is_small_and_its_copy_answers_the_same(cls) -> None:
     assert len(pickle.dumps(pickle.loads(pickled))) < SMALL  # pickled again before any use
 
 
+@pytest.mark.parametrize("cls", [CacheBlendLLM, ChatCacheBlend])
+def test_a_deep_copy_shares_the_model_and_answers_the_same(cls) -> None:
+    """copy.deepcopy and model_copy(deep=True) used to fail on the engine's locks; a copy now shares the model."""
+    import copy
+
+    llm = cls(model="tiny-llama", temperature=0, recompute_ratio=0.3, **{cls._max_tokens_field: 6})
+    for again in (copy.deepcopy(llm), llm.model_copy(deep=True)):
+        assert again is not llm and again.recompute_ratio == llm.recompute_ratio
+        assert answer(again) == answer(llm)
+        assert again.engine is llm.engine and again.chunk_cache is llm.chunk_cache
+
+
 def test_an_engine_of_the_callers_comes_back_in_this_process_only(tmp_path) -> None:
     engine = tiny_engine("llama", seed=3)
     llm = CacheBlendLLM(engine=engine, temperature=0, max_new_tokens=4)
