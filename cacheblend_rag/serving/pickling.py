@@ -14,6 +14,7 @@ elsewhere: using such an object in another process is an error saying what to do
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -81,8 +82,6 @@ class PicklesWithoutEngine(BaseModel):
         """A copy that shares the model: as pickled and unpickled in this process (its settings deep-copied,
         the same engine and chunk cache attached on first use, its own serving state). pydantic's would copy
         the engine's locks and fail (``model_copy(deep=True)`` and ``copy.deepcopy`` both come here)."""
-        import copy
-
         copied = type(self).__new__(type(self))
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return copied
