@@ -135,17 +135,28 @@ def test_a_closed_stream_leaves_at_the_next_step():
     engine = tiny_engine("llama", seed=14)
     segments = prompts(engine, 2)
     scheduler = RequestScheduler(engine)
+    # The step count when the worker retires a cancelled request, taken on the worker: a client polling for it
+    # on a busy machine sees it steps later (CI under load saw 6 while the request had left at the next step).
+    retired_at: list[int] = []
+    retire = scheduler._retire
+
+    def recording(handle, error=None):
+        if isinstance(error, RequestCancelled):
+            retired_at.append(scheduler.steps)
+        retire(handle, error)
+
+    scheduler._retire = recording
     try:
         long = submit(scheduler, engine, segments[0], max_new_tokens=400)
         other = submit(scheduler, engine, segments[1], max_new_tokens=30)
         next(iter(long))  # it runs
-        steps_before = scheduler.steps
         long.close()
+        steps_before = scheduler.steps  # read after: a client descheduled here only makes the bound looser
         deadline = time.time() + 30
         while scheduler.stats()["running"] > 1 or scheduler.stats()["cancelled"] == 0:
             assert time.time() < deadline
             time.sleep(0.001)
-        assert scheduler.steps - steps_before <= 2  # gone at the next step, not at its 400th token
+        assert retired_at and retired_at[0] - steps_before <= 2  # gone at the next step, not at its 400th token
         with pytest.raises(RequestCancelled):
             long.result()
         assert other.result().token_ids == engine.generate(segments[1], max_new_tokens=30).token_ids
