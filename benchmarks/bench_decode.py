@@ -23,7 +23,6 @@ the prefill's). Other scripts (the GPU check) can call it with their engine and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from bench_dispatch import SHAPES  # noqa: E402
 from bench_engine import DEFAULT_DATA, build_prompt, passages  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, CachedSegment, FreshSegment, GenerationConfig  # noqa: E402
+from cacheblend_rag.bench.report import print_report  # noqa: E402
 from cacheblend_rag.bench.host_syncs import count_host_syncs  # noqa: E402
 from cacheblend_rag.engine.decode import decode_logits  # noqa: E402
 from cacheblend_rag.engine.generate import start_decoding  # noqa: E402
@@ -213,10 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         report["ops per decoded token (top-level aten::)"] = count_shapes()
     if not args.ops_only:
         report["decode speed"] = smollm2_speed(args.chunks, args.chunk_tokens, args.new_tokens, args.rounds)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print_report(report, args.out)
     return 0
 
 

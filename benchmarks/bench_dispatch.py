@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402  (its model shapes and prompt)
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment  # noqa: E402
+from cacheblend_rag.bench.report import print_report  # noqa: E402
 from cacheblend_rag.bench.host_syncs import count_host_syncs  # noqa: E402
 from cacheblend_rag.engine import attention  # noqa: E402
 
@@ -106,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                            for m in METHODS)
         print(f"{name} ({row['layers']} layers, {row['tokens']:,} tokens): full prefill {row['full prefill']:,}; "
               f"{ratios}", file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print_report(report, args.out)
     return 0
 
 

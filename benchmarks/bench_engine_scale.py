@@ -33,7 +33,6 @@ changes the values, not the work).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import torch
 from bench_engine import DEFAULT_DATA, build_prompt, git_commit, machine, passages
 from bench_store import Mode, run_interleaved
 from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
+from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.bench.bandwidth import loader_and_disk
 from cacheblend_rag.bench.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.methods import parse_methods
@@ -290,11 +290,7 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
         "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_report(report, args.out)
     if args.plot is not None:
         plot(report, args.plot)
     return 0

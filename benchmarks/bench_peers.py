@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -45,6 +44,7 @@ import torch
 
 from bench_engine import DEFAULT_DATA, git_commit
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.bench.metrics import token_kl
 from cacheblend_rag.bench.peers import LLAMA_FORMATS, PEERS, Peer, PeerContext, PeerUnavailable, requantized_gguf
 from cacheblend_rag.bench.prompt import BenchPrompt, build_prompt, load_musique
@@ -312,11 +312,7 @@ def main(argv: list[str] | None = None, engine: CacheBlendEngine | None = None) 
         "machine": machine(), "versions": versions(), "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_report(report, args.out)
     if args.plot is not None:
         plot(report, args.plot)
     return 0

@@ -13,7 +13,6 @@ operation count).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cacheblend_rag import GenerationConfig
+from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.engine.generate import TokenSampler
 from cacheblend_rag.models.dtype_choice import cpu_model_name
 
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
               "sampler": TokenSampler.__module__, "vocab": args.vocab, "prompt_tokens": args.prompt_tokens,
               "settings": {name: measure(options, args.vocab, args.prompt_tokens, args.tokens, args.rounds)
                            for name, options in SETTINGS.items()}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print_report(report, args.out)
     return 0
 
 

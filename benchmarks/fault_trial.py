@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment, StoredSegment
+from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 from cacheblend_rag.store.codec import codec_named
@@ -505,10 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         "outside_file_intact": intact,
         "results": results, "seconds": round(time.perf_counter() - started, 1),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    print_report(report, args.out)
     print("\n| fault | survived | note |\n|---|---|---|")
     for group, rows in results.items():
         for r in rows:

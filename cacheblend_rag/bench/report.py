@@ -121,6 +121,13 @@ def _spread(values: Sequence[int]) -> dict[str, float | None]:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
+def print_report(document: dict[str, Any], out: str | Path | None = None) -> None:
+    """A benchmark's JSON report on stdout, and into ``out`` (whole or not at all) where given."""
+    print(json.dumps(document, indent=2))
+    if out:
+        write_json(document, out)
+
+
 def write_json(document: dict[str, Any], path: str | Path) -> Path:
     """Write ``document`` whole or not at all: a run killed mid-write leaves the previous version,
     which ``--resume`` can read."""
