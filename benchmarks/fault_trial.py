@@ -84,7 +84,9 @@ class Trial:
 
 def _cache(engine: CacheBlendEngine, path: Path, *, size_limit: int | None = None,
            auth_key: bytes | None = None) -> ChunkCache:
-    return ChunkCache(engine, DiskKVStore(path, size_limit=size_limit), storage_dtype="float32", auth_key=auth_key)
+    # No host-memory tier: its copies, verified once, would answer the reads these faults are aimed at.
+    return ChunkCache(engine, DiskKVStore(path, size_limit=size_limit), storage_dtype="float32", auth_key=auth_key,
+                      resident_bytes=0)
 
 
 def _manifest(path: Path, key: str):

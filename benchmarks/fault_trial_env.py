@@ -203,7 +203,7 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
 
     def cache() -> ChunkCache:
         store = RedisKVStore(server.url(), read_timeout=READ_TIMEOUT, probe_interval=PROBE_INTERVAL)
-        warmed = ChunkCache(trial.engine, store, storage_dtype="float32")
+        warmed = ChunkCache(trial.engine, store, storage_dtype="float32", resident_bytes=0)  # the store's paths
         warmed.warm(trial.chunks)
         return warmed
 

@@ -22,8 +22,8 @@ EXACT = dict(atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture
-def disk_cache(engine, tmp_path):
-    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32")
+def disk_cache(engine, tmp_path):  # the store alone: no host-memory tier in front of it
+    cache = ChunkCache(engine, DiskKVStore(tmp_path / "kv"), storage_dtype="float32", resident_bytes=0)
     yield cache
     cache.close()
 

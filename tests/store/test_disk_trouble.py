@@ -177,7 +177,8 @@ def test_write_back_on_a_full_disk_leaves_no_file_and_deletes_nothing(engine, wa
 def test_a_store_folder_removed_while_open_is_opened_anew_not_written_into_a_deleted_index(engine, warmed):
     stored, in_memory = _prompt(engine, TEXTS[:3])
     store = DiskKVStore(warmed)
-    with ChunkCache(engine, store, storage_dtype="float32") as cache:
+    # No host-memory tier: it would serve the chunks read before the removal, and write nothing anew.
+    with ChunkCache(engine, store, storage_dtype="float32", resident_bytes=0) as cache:
         assert engine.blend(stored, store=cache, config=CONFIG).stats.cache_hits == 2
         cache.flush()
         shutil.rmtree(warmed)
@@ -271,7 +272,9 @@ def test_on_a_real_full_disk_nothing_is_lost_and_writes_resume(engine, small_fs,
     stored, in_memory = _prompt(engine, TEXTS[:4])
     with caplog.at_level(logging.WARNING):
         store = DiskKVStore(path, retry_writes_after=0.05)
-        cache = ChunkCache(engine, store, storage_dtype="float32")
+        # No host-memory tier: it would keep the chunks computed while the disk was full and serve them
+        # from memory, so the blend after the disk clears would have nothing to write.
+        cache = ChunkCache(engine, store, storage_dtype="float32", resident_bytes=0)
         result = engine.blend(stored, store=cache, config=CONFIG)
         cache.flush()
     torch.testing.assert_close(result.logits, _reference(engine, in_memory), **EXACT)

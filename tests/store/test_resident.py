@@ -1,5 +1,5 @@
 """The host-memory tier (``ChunkCache(resident_bytes=...)``): chunks read and verified once, or computed,
-are served from host memory, exactly, without the store; bounded by bytes; off on a CPU by default."""
+are served from host memory, exactly, without the store; bounded by bytes; on by default (1 GiB on a CPU, at most a sixteenth of its memory)."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def test_the_tier_is_bounded_by_bytes_least_recently_used_first(engine, tmp_path
     cache.close()
 
 
-def test_off_on_a_cpu_by_default_and_a_bad_bound_is_refused(engine):
-    with ChunkCache(engine) as cache:
-        assert cache.resident is None
+def test_on_by_default_off_at_zero_and_a_bad_bound_is_refused(engine):
+    with ChunkCache(engine) as cache:  # a CPU engine: 1 GiB, or a sixteenth of the machine's memory if less
+        assert cache.resident is not None and 0 < cache.resident.max_bytes <= 1 << 30
     with ChunkCache(engine, resident_bytes=0) as cache:
         assert cache.resident is None
     for bad in (-1, True, "1 GiB", 1.5):

@@ -37,7 +37,7 @@ def test_a_hung_redis_costs_one_bounded_wait_then_is_skipped_until_it_answers(en
     texts = corpus(3)
     store = RedisKVStore(fresh_redis_server.url(), read_timeout=READ_TIMEOUT, socket_timeout=5,
                          probe_interval=PROBE)
-    cache = ChunkCache(engine, store, storage_dtype="float32")
+    cache = ChunkCache(engine, store, storage_dtype="float32", resident_bytes=0)  # every read asks Redis
     cache.warm(texts)
     executed = []
     original = redis.client.Pipeline.execute
