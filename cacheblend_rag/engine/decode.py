@@ -252,7 +252,7 @@ class Decoding:
         self.room = max(1, min(gen.max_new_tokens - 1, self.window - self.prompt_tokens))
         self.cache: Any = blended.cache  # the blend's; the model's own forward decodes it without an adapter
         self._kv: DecodingKV | None = None
-        # Called once the request finishes, while its KV is still held (a server keeps the prefix).
+        # Called by :meth:`settle` once the request has finished, while its KV is still held (a server keeps the prefix).
         self.on_finish: Callable[["Decoding"], None] | None = None
 
     @property
@@ -319,10 +319,17 @@ class Decoding:
             text = complete_text(self._text.text)  # the tokens are those of the last accept
         delta = text[len(self.emitted):] if len(text) > len(self.emitted) else ""
         self.emitted = text
-        if self.on_finish is not None:
-            self.on_finish(self)
-        self.release()
         return delta
+
+    def settle(self) -> None:
+        """A finished request's last duty, once its last text has gone out: ``on_finish`` (while the KV is still
+        held), then the KV dropped. Not part of :meth:`accept`, so that the last token reaches the caller
+        without waiting for the bookkeeping: keeping a 3,290-token prompt's K/V in the prefix cache took
+        ~65 ms (Qwen2.5-Coder-1.5B, 2-core Xeon), all of it between a one-token answer and its caller."""
+        hook, self.on_finish = self.on_finish, None
+        if hook is not None:
+            hook(self)
+        self.release()
 
     def held_kv(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
         """The token ids whose K/V this request holds (the prompt, then the answer tokens already fed)

@@ -162,7 +162,10 @@ def _decode(
                 break
             decoding.advance(decode_logits(engine, [decoding])[0])
     finally:
-        decoding.release()  # a stream closed early frees its KV now, not when it is collected
+        if decoding.done:
+            decoding.settle()
+        else:
+            decoding.release()  # a stream closed early frees its KV now, not when it is collected
     holder["result"] = decoding.result()
 
 

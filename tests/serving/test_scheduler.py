@@ -405,3 +405,32 @@ def test_the_heap_is_trimmed_when_the_last_request_ends(monkeypatch):
         scheduler.close()
     from cacheblend_rag.serving.memory_trim import release_free_memory
     assert release_free_memory() in (True, False)  # the real one runs here (glibc: True)
+
+
+def test_the_last_token_reaches_the_caller_before_the_bookkeeping_and_the_end_after_it():
+    # A server keeps each finished request's K/V (on_finish); a one-token answer's caller used to wait for that.
+    engine = tiny_engine("llama", seed=13)
+    segments = prompts(engine, 1)[0]
+    scheduler = RequestScheduler(engine)
+    seen, entered, release = [], threading.Event(), threading.Event()
+
+    def start():
+        decoding = start_decoding(engine, segments, GenerationConfig(max_new_tokens=1, temperature=0.0), None, None)
+
+        def keep(done):
+            seen.append(done.kv is not None or done.cache is not None)  # its KV still held
+            entered.set()
+            release.wait(10)
+        decoding.on_finish = keep
+        return decoding
+
+    try:
+        handle = scheduler.submit(start, lambda r: r)
+        text = next(iter(handle))  # the one token's text: on_finish has not returned (it waits for release)
+        assert text and entered.wait(10) and seen == [True]
+        assert handle._events.empty()  # no end yet: it follows on_finish
+        release.set()
+        assert handle.result().text == text  # the end comes once on_finish returned
+    finally:
+        release.set()
+        scheduler.close()
