@@ -252,7 +252,7 @@ class Decoding:
         self.room = max(1, min(gen.max_new_tokens - 1, self.window - self.prompt_tokens))
         self.cache: Any = blended.cache  # the blend's; the model's own forward decodes it without an adapter
         self._kv: DecodingKV | None = None
-        # Called by :meth:`settle` once the request has finished, while its KV is still held (a server keeps the prefix).
+        # Called by :meth:`settle` once the request has finished, its KV still held (a server keeps the prefix).
         self.on_finish: Callable[["Decoding"], None] | None = None
 
     @property

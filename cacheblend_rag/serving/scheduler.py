@@ -384,7 +384,8 @@ class RequestScheduler:
         decoding, handle.decoding = handle.decoding, None
         if error is None and decoding is not None:
             self.finished += 1
-            try:  # after the last text went out (_deliver), before the end: a caller that saw it end finds the caches kept
+            # After the last text went out (_deliver), before the end: a caller that saw the end finds the caches kept.
+            try:
                 decoding.settle()
             except Exception:  # keeping K/V is an optimisation: it never fails the request
                 logger.exception("a finished request's on_finish failed")

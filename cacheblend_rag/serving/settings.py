@@ -99,7 +99,8 @@ class CacheBlendSettings(PicklesWithoutEngine):
     resident_bytes: Optional[Union[int, str]] = Field(
         default=None,
         description="Bound on the host-memory tier in front of the store, in bytes or with a unit ('4GB'): chunks "
-        "already read (and verified) or computed, kept (page-locked on a GPU) so that later blends copy them without the store. "
+        "already read (and verified) or computed, kept (page-locked on a GPU) so that later blends copy them "
+        "without the store. "
         "None: 2 GiB on a GPU, 1 GiB on a CPU (at most a sixteenth of its memory); 0 disables it.",
     )
     storage_dtype: str = Field(

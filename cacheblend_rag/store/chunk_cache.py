@@ -93,7 +93,8 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
     ``prefetch=False`` turns off the layer read-ahead; ``write_back=False`` keeps missed chunks
     out of the store. ``resident_bytes`` bounds the host-memory tier of chunks already read and verified
     (or computed) here, which later blends copy from without touching the store
-    (:mod:`~cacheblend_rag.store.resident`; ``None``: 2 GiB for a CUDA engine, 1 GiB on a CPU (at most a sixteenth of its memory); 0: off).
+    (:mod:`~cacheblend_rag.store.resident`; ``None``: 2 GiB for a CUDA engine, 1 GiB on a CPU, at most a
+    sixteenth of its memory; 0: off).
     """
 
     def __init__(

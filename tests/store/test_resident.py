@@ -1,5 +1,6 @@
 """The host-memory tier (``ChunkCache(resident_bytes=...)``): chunks read and verified once, or computed,
-are served from host memory, exactly, without the store; bounded by bytes; on by default (1 GiB on a CPU, at most a sixteenth of its memory)."""
+are served from host memory, exactly, without the store; bounded by bytes; on by default (1 GiB on a CPU, at
+most a sixteenth of its memory)."""
 
 from __future__ import annotations
 
