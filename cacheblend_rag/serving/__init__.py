@@ -38,6 +38,7 @@ __all__ = [
     "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "KVBudgetError",
     "PreparedPrompt",
     "RequestCancelled", "RequestHandle", "RequestScheduler", "SchedulerConfig", "SchedulerFullError",
-    "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for", "scheduler_for", "release_engine", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
+    "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for",
+    "scheduler_for", "release_engine", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",
 ]

@@ -115,8 +115,9 @@ def shared_engine(
 def release_engine(engine: CacheBlendEngine, timeout: float | None = 10.0) -> bool:
     """Let ``engine`` go: the registry forgets it (the next :func:`shared_engine` of its arguments loads the
     model again), its scheduler cancels what waits or runs and stops (its worker joined for up to ``timeout``
-    seconds), and its chunk, prefix and segment caches are dropped. Its memory is freed once nothing else holds it: model
-    objects built on it hold it too and cannot answer any more (their scheduler is closed); build new ones.
+    seconds), and its chunk, prefix and segment caches are dropped. Its memory is freed once nothing else holds
+    it: model objects built on it hold it too and cannot answer any more (their scheduler is closed); build new
+    ones.
     A process serving several models one after another calls this to get each one's memory back. Returns
     whether the registry or a scheduler held it."""
     with _registry_lock:
