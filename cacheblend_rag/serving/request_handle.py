@@ -19,12 +19,14 @@ class RequestCancelled(CacheBlendError, RuntimeError):
     """The request was cancelled (its stream closed) before it finished."""
 
 
-DELTA, DONE, ERROR = "delta", "done", "error"
+# TEXT_END: the last delta went out; the request's bookkeeping (its K/V kept for the next call) follows, then DONE.
+DELTA, TEXT_END, DONE, ERROR = "delta", "text_end", "done", "error"
 
 
 class RequestHandle(Generic[R]):
-    """One submitted request: iterate for its text deltas (blocking), :meth:`result` for its end,
-    :meth:`close` (or :meth:`cancel`) to drop it. Safe to read from any one thread."""
+    """One submitted request: iterate for its text deltas (blocking; the iteration ends with the text, before
+    the request's bookkeeping), :meth:`result` for its end, :meth:`close` (or :meth:`cancel`) to drop it. Safe
+    to read from any one thread."""
 
     def __init__(self, start: Callable[[], Decoding], finish: Callable[[GenerationResult], R],
                  kv_tokens: Callable[[], int] | None = None) -> None:
@@ -37,6 +39,7 @@ class RequestHandle(Generic[R]):
         self._result: R | None = None
         self._error: BaseException | None = None
         self._ended = False
+        self._text_ended = False
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.decoding: Decoding | None = None  # the worker's, while the request runs
@@ -46,22 +49,28 @@ class RequestHandle(Generic[R]):
         return self
 
     def __next__(self) -> str:
-        if self._ended:
-            raise StopIteration
-        kind, value = self._events.get()
-        if kind == DELTA:
-            return value
+        if not self._text_ended:
+            kind, value = self._events.get()
+            if kind == DELTA:
+                return value
+            self._text_ended = True
+            if kind != TEXT_END:
+                self._end(kind, value)
+        raise StopIteration
+
+    def _end(self, kind: str, value: Any) -> None:
         self._ended = True
         if kind == ERROR:
             self._error = value
             raise value
         self._result = self._finish(value)
-        raise StopIteration
 
     def result(self) -> R:
         """Wait for the request to finish; its result (or its exception, raised)."""
         for _ in self:
             pass
+        if not self._ended:  # the text ended: its bookkeeping, then the end
+            self._end(*self._events.get())
         if self._error is not None:
             raise self._error
         assert self._result is not None

@@ -41,7 +41,7 @@ from cacheblend_rag.engine.decode import Decoding, decode_logits
 from cacheblend_rag.engine.results import GenerationResult
 from cacheblend_rag.errors import CacheBlendError
 from cacheblend_rag.serving.admission import KVLedger, ledger_for
-from cacheblend_rag.serving.request_handle import DELTA, DONE, ERROR, RequestCancelled, RequestHandle
+from cacheblend_rag.serving.request_handle import DELTA, DONE, ERROR, TEXT_END, RequestCancelled, RequestHandle
 from cacheblend_rag.serving.memory_trim import release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -384,7 +384,10 @@ class RequestScheduler:
         decoding, handle.decoding = handle.decoding, None
         if error is None and decoding is not None:
             self.finished += 1
-            # After the last text went out (_deliver), before the end: a caller that saw the end finds the caches kept.
+            # The text has ended (the last delta went out in _deliver): a caller holding text back (a tool-call
+            # parser deciding whether "<" opens a call) lets it go now, not after the bookkeeping below. That
+            # runs before the end, so a caller that saw the end finds the caches kept.
+            handle._send(TEXT_END, None)
             try:
                 decoding.settle()
             except Exception:  # keeping K/V is an optimisation: it never fails the request

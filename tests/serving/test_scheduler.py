@@ -407,7 +407,7 @@ def test_the_heap_is_trimmed_when_the_last_request_ends(monkeypatch):
     assert release_free_memory() in (True, False)  # the real one runs here (glibc: True)
 
 
-def test_the_last_token_reaches_the_caller_before_the_bookkeeping_and_the_end_after_it():
+def test_the_last_token_and_the_texts_end_reach_the_caller_before_the_bookkeeping_and_the_end_after_it():
     # A server keeps each finished request's K/V (on_finish); a one-token answer's caller used to wait for that.
     engine = tiny_engine("llama", seed=13)
     segments = prompts(engine, 1)[0]
@@ -428,6 +428,7 @@ def test_the_last_token_reaches_the_caller_before_the_bookkeeping_and_the_end_af
         handle = scheduler.submit(start, lambda r: r)
         text = next(iter(handle))  # the one token's text: on_finish has not returned (it waits for release)
         assert text and entered.wait(10) and seen == [True]
+        assert list(handle) == []  # the text has ended: the iteration stops while on_finish still runs
         assert handle._events.empty()  # no end yet: it follows on_finish
         release.set()
         assert handle.result().text == text  # the end comes once on_finish returned

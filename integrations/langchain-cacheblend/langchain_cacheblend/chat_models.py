@@ -303,16 +303,19 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
                 shown = answer.feed(delta)
                 if shown.reasoning or shown.answer:
                     yield text_chunk(shown)
+            # The text has ended: what the answer held back (text that might have opened a call) goes out now,
+            # before the request's bookkeeping that result() waits for (its K/V kept for the next call, ~0.1 s
+            # for a 3,300-token prompt of Qwen2.5-Coder-1.5B on a 2-core CPU).
+            rest, call = answer.finish()
+            if rest.reasoning or rest.answer:
+                yield text_chunk(rest)
+            if call is not None:  # every call of the answer, in order (parallel calls)
+                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                    ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+                    for i, c in enumerate(calls.calls)]))
             served = stream.result()
         finally:
             stream.close()
-        rest, call = answer.finish()
-        if rest.reasoning or rest.answer:
-            yield text_chunk(rest)
-        if call is not None:  # every call of the answer, in order (parallel calls)
-            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
-                ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
-                for i, c in enumerate(calls.calls)]))
         result = served.result
         usage = UsageMetadata(
             input_tokens=result.prompt_tokens,

@@ -6,6 +6,7 @@ random text replaced by a scripted one (cacheblend_rag.testing.script_answers)."
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -87,3 +88,28 @@ def test_a_model_that_does_not_think_streams_its_text_as_written(monkeypatch) ->
     chunks = list(scripted(tiny_engine("llama"), ANSWER, monkeypatch).stream("Capital?"))
     assert "".join(c.content for c in chunks) == "".join(ANSWER)
     assert not any(c.additional_kwargs for c in chunks)
+
+
+def test_text_held_back_as_a_possible_call_goes_out_before_the_requests_bookkeeping(monkeypatch) -> None:
+    # With tools bound, an answer that opens like a call is held until it is known; at the text's end it goes
+    # out at once, not after the request's K/V is kept for the next call (what result() waits for).
+    llm = scripted(tiny_engine("llama"), CALL[2:], monkeypatch)
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+    keep = llm.service._after
+
+    def slow_keep(*args: Any) -> Any:
+        entered.set()
+        release.wait(5)
+        left.set()
+        return keep(*args)
+
+    monkeypatch.setattr(llm.service, "_after", slow_keep)
+    chunks = iter(llm.bind_tools([weather]).stream("What is the weather in Paris?"))
+    try:
+        first = next(chunks)
+        assert [c["name"] for c in first.tool_call_chunks] == ["weather"]
+        assert entered.is_set() and not left.is_set()  # the bookkeeping had begun and not finished
+    finally:
+        release.set()
+    last = list(chunks)[-1]
+    assert last.usage_metadata["output_tokens"] > 0  # the stats came after it
