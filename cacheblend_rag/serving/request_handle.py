@@ -43,14 +43,30 @@ class RequestHandle(Generic[R]):
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.decoding: Decoding | None = None  # the worker's, while the request runs
+        # perf_counter() time by which the text must have ended (a call's timeout): waiting for a delta past
+        # it cancels the request and raises TimeoutError, whether it is queued, prefilling or decoding.
+        self.deadline: float | None = None
 
     # -- the caller's side
     def __iter__(self) -> Iterator[str]:
         return self
 
+    def _next_event(self) -> tuple[str, Any]:
+        if self.deadline is None:
+            return self._events.get()
+        try:
+            return self._events.get(timeout=max(0.0, self.deadline - time.perf_counter()))
+        except queue.Empty:
+            self.cancel()
+            self._text_ended = self._ended = True
+            self._error = TimeoutError(f"the request took longer than its timeout "
+                                       f"({self.deadline - self.submitted:.3g} s from submission); "
+                                       "raise timeout or ask for fewer tokens")
+            raise self._error from None
+
     def __next__(self) -> str:
         if not self._text_ended:
-            kind, value = self._events.get()
+            kind, value = self._next_event()
             if kind == DELTA:
                 return value
             self._text_ended = True

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, FreshSegment, GenerationResult
@@ -60,6 +60,7 @@ class PreparedPrompt:
     segment_hits: int = 0  # such spans (cached segments, but not chunks: not counted as cache hits)
     # [start, end) of the fresh spans after the first chunk, as the prompt split them: kept for the next
     spans: list[tuple[int, int]] = field(default_factory=list)
+    salt: str = ""  # the request's cache salt: its K/V is kept under it
 
 
 @dataclass
@@ -138,51 +139,59 @@ class BlendService:
         """Tell the service that coming prompts may contain these chunk texts verbatim."""
         return self.announced.announce(texts)
 
-    def warm(self, texts: Iterable[str], *, show_progress: bool = False) -> WarmSummary:
+    def warm(self, texts: Iterable[str], *, show_progress: bool = False, salt: str = "") -> WarmSummary:
         """Compute and store the KV of each chunk text the store lacks, on the scheduler's worker, a
-        batch of chunks between two decode steps."""
-        steps = self.chunk_cache.warm_steps(chunk_texts(texts))
+        batch of chunks between two decode steps (``salt``: under that cache salt, for its requests)."""
+        steps = self.chunk_cache.salted(salt).warm_steps(chunk_texts(texts))
         return self.scheduler.run_job(with_progress(steps, show_progress)).result()
 
     # ------------------------------------------------------------- prompts
-    def prepare(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None) -> PreparedPrompt:
+    def prepare(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None,
+                chunks: Sequence[str] | None = None, salt: str = "") -> PreparedPrompt:
         """``prompt`` as segments: announced chunk texts found verbatim become stored chunks (computed
         behind the cache's prefix), everything else fresh text, with the ids the whole prompt
         tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model).
 
         ``blend``: the request's configuration. The prefix cache's approximate blocks are taken only
         when it is given, its ``recompute_ratio`` is below 1.0 and the prompt holds a chunk (see the
-        module); without it, exact blocks only."""
+        module); without it, exact blocks only.
+
+        ``chunks``: the chunk texts to look for (a request's own documents, in :func:`chunk_text` form);
+        ``None``: the announced ones. ``salt``: the request's cache salt, whose prefix-cache blocks are
+        chained apart; a salted request does not use the segment cache."""
         if not reuse:
             return PreparedPrompt([FreshSegment(self.engine.tokenize(prompt))], 0, 0,
                                   "chunk KV reuse is off (reuse_chunk_kv=False)")
-        split = split_prompt(prompt, self.announced.known())
+        known = self.announced.known() if chunks is None else list(chunks)
+        latest = self.announced.latest() if chunks is None else tuple(chunks)
+        split = split_prompt(prompt, known)
         segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
         found = set(split.found)
-        reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments))
+        reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments), known,
+                                                         latest)
         approximate = bool(split.found) and blend is not None and blend.recompute_ratio < 1.0
         spans = self._spans_after_chunks(segments)
         # Once per request: checking the weights' stamp walks every parameter, and a chat's prompt
         # has a span after every chunk of every turn.
         fingerprint = self.engine.fingerprint
-        segments = self._with_cached_prefix(segments, spans, fingerprint, approximate=approximate)
-        segments, reused = self._with_cached_spans(segments, spans, fingerprint)
+        segments = self._with_cached_prefix(segments, spans, fingerprint, approximate=approximate, salt=salt)
+        segments, reused = self._with_cached_spans(segments, spans, fingerprint) if not salt else (segments, 0)
         prefix = segments[0] if segments and isinstance(segments[0], PrefixSegment) else None
         return PreparedPrompt(
             segments=segments,
             chunks_found=len(split.found),
             # Chunks of the latest announcement that this prompt lacks verbatim (changed by a template,
             # truncated, or, in refine mode, simply handled by another call).
-            chunks_missing=sum(1 for text in self.announced.latest() if text not in found),
+            chunks_missing=sum(1 for text in latest if text not in found),
             reason=reason,
             prefix_tokens=0 if prefix is None else len(prefix),
             approximate_prefix_tokens=0 if prefix is None else prefix.approximate_tokens,
-            segment_tokens=reused, spans=spans,
+            segment_tokens=reused, spans=[] if salt else spans, salt=salt,
             segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
 
     def _with_cached_prefix(self, segments: list[Segment], spans: list[tuple[int, int]], fingerprint: str, *,
-                            approximate: bool = False) -> list[Segment]:
+                            approximate: bool = False, salt: str = "") -> list[Segment]:
         """``segments`` opened by the longest prefix of their token ids the prefix cache holds (exact
         blocks only unless ``approximate``). The ids are the ones the blend sees (the whole prompt's
         where the tokenizer allows), so block boundaries are token boundaries of this prompt. A chunk
@@ -198,7 +207,7 @@ class BlendService:
         if cache is None or not cache.enabled or not segments:
             return segments
         ids = [t for s in segments for t in s.token_ids]
-        hit = cache.match(ids, fingerprint, approximate=approximate)
+        hit = cache.match(ids, fingerprint, approximate=approximate, salt=salt)
         if hit is None:
             return segments
         if hit.approximate_tokens:
@@ -290,10 +299,10 @@ class BlendService:
                 exact = decoding.stats.exact_kv_tokens
                 if exact < decoding.prompt_tokens:
                     # Past the exact part the K/V attended to blended K/V: not what full prefill computes.
-                    self.prefix_cache.insert(ids[:exact], keys, values, fingerprint)
-                    self.prefix_cache.insert(ids, keys, values, fingerprint, approximate=True)
+                    self.prefix_cache.insert(ids[:exact], keys, values, fingerprint, salt=prepared.salt)
+                    self.prefix_cache.insert(ids, keys, values, fingerprint, salt=prepared.salt, approximate=True)
                 else:
-                    self.prefix_cache.insert(ids, keys, values, fingerprint)
+                    self.prefix_cache.insert(ids, keys, values, fingerprint, salt=prepared.salt)
             if keep_spans:
                 self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens, fingerprint)
         except Exception:  # keeping K/V is an optimisation: it never fails the request
@@ -309,11 +318,10 @@ class BlendService:
             self.segment_cache.remember(ids[start:end], unrotated_keys(a, keys, start, end),
                                         [v[0, :, start:end] for v in values], fingerprint)
 
-    def _no_reuse(self, prompt: str, tokens: int) -> str:
+    def _no_reuse(self, prompt: str, tokens: int, known: Sequence[str], latest: Sequence[str]) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
         nothing, or the prompt holds the announced chunks changed, escaped or cut."""
-        latest = self.announced.latest()
-        if not self.announced.known():
+        if not known:
             cause, quiet = "none-announced", tokens < LONG_PROMPT_TOKENS  # a short prompt may well be no RAG prompt
             reason = ("no chunk text was announced to this model, so nothing can be reused: add "
                       "CacheBlendNodePostprocessor(llm=llm) to the query engine (LlamaIndex) or wrap the retriever "
@@ -341,19 +349,21 @@ class BlendService:
 
     # ------------------------------------------------------------- answers
     def stream(
-        self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True
+        self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True,
+        chunks: Sequence[str] | None = None, salt: str = "",
     ) -> ServedStream:
         """Submit ``prompt``: its text deltas as the scheduler decodes them; ``close()`` drops it.
         Raises :class:`~cacheblend_rag.serving.scheduler.SchedulerFullError` when the queue is full; the
         stream ends with :class:`~cacheblend_rag.serving.admission.KVBudgetError` when the prompt and
-        ``max_new_tokens`` need more KV memory than the scheduler's whole budget."""
+        ``max_new_tokens`` need more KV memory than the scheduler's whole budget. ``chunks`` and ``salt``:
+        as :meth:`prepare` takes them."""
         submitted = time.perf_counter()
         prepared: list[PreparedPrompt] = []
 
         def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
-            prepared.append(self.prepare(prompt, reuse=reuse, blend=blend))
-            decoding = start_decoding(self.engine, prepared[0].segments, generation, blend, self.chunk_cache,
-                                      started=submitted)
+            prepared.append(self.prepare(prompt, reuse=reuse, blend=blend, chunks=chunks, salt=salt))
+            decoding = start_decoding(self.engine, prepared[0].segments, generation, blend,
+                                      self.chunk_cache.salted(salt), started=submitted)
             if reuse and (self.prefix_cache is not None or self.segment_cache is not None):
                 decoding.on_finish = lambda done: self._after(done, prepared[0])
             return decoding

@@ -40,6 +40,8 @@ background writer and the admin calls. An entry's reads and writes are in
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import os
 import threading
@@ -135,6 +137,15 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         self._pending_lock = threading.Lock()
         self._last_warning: dict[str, float] = {}
         self._warned_unauthenticated = False
+
+    def salted(self, salt: str) -> "ChunkCache":
+        """This cache under ``salt``: the same store, tier, writer and counters, every chunk keyed apart
+        (a request's ``cache_salt``: requests with different salts share no chunk K/V). ``""``: itself."""
+        if not salt:
+            return self
+        view = copy.copy(self)
+        view.salt = salt
+        return view
 
     # ------------------------------------------------------------- failures
     def _skip_unauthenticated(self, exc: CorruptEntryError) -> None:

@@ -41,6 +41,7 @@ class ChunkStoreIO:
     tagger: Tagger
     rules: EntryRules
     prefix_ids: tuple[int, ...]
+    salt: str = ""  # a namespace of its own (a request's cache_salt): ChunkCache.salted
 
     # ----------------------------------------------------------------- keys
     def key_for(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, engine: Any = None, *,
@@ -48,7 +49,10 @@ class ChunkStoreIO:
         """The store key of a chunk; pass ``fingerprint`` when keying many chunks of one request."""
         prefix = self.prefix_ids if prefix_ids is None else tuple(prefix_ids)
         tag = self.codec.tag if self.codec is not None else ""
-        return chunk_key(fingerprint or (engine or self.engine).fingerprint, token_ids, prefix, codec_tag=tag)
+        fingerprint = fingerprint or (engine or self.engine).fingerprint
+        if self.salt:  # another salt's key is another key: salted requests share no chunk K/V
+            fingerprint = f"{fingerprint}\x00salt={self.salt}"
+        return chunk_key(fingerprint, token_ids, prefix, codec_tag=tag)
 
     def contains(self, token_ids: Sequence[int], prefix_ids: Sequence[int] | None = None, *,
                  fingerprint: str | None = None) -> bool:
