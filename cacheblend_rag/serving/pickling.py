@@ -72,6 +72,10 @@ class PicklesWithoutEngine(BaseModel):
         state = super().__getstate__()
         if "engine" not in self.__dict__:  # pickled again before its first use: as it came
             return state
+        if self.__dict__.get("base_url") is not None:  # a server's client: no engine to find again, its own client
+            private = {k: v for k, v in (state.get("__pydantic_private__") or {}).items()
+                       if k not in ("_remote", "_remote_announced")}
+            return {**state, "__pydantic_private__": private}
         state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in _ENGINE_FIELDS}
         private = {k: v for k, v in (state.get("__pydantic_private__") or {}).items() if k not in _SERVING_PRIVATE}
         private["_attachment"] = self._attachment_here()
@@ -90,6 +94,14 @@ class PicklesWithoutEngine(BaseModel):
         # pydantic's own, also where a framework base (LlamaIndex's BaseComponent re-runs __init__, which
         # would load the model now and mark every field as set by the user) comes first.
         BaseModel.__setstate__(self, state)
+        if self.__dict__.get("base_url") is not None:  # a server's client has no engine to attach
+            self.__dict__.setdefault("engine", None)
+            self.__dict__.setdefault("chunk_cache", None)
+            private = self.__pydantic_private__
+            defaults = type(self).__private_attributes__
+            for key in ("_remote", "_remote_announced", *_SERVING_PRIVATE):
+                if key in defaults:
+                    private.setdefault(key, defaults[key].get_default())
 
     def __getattr__(self, name: str) -> Any:
         # Fields live in __dict__ and are found without this; an unpickled object lacks these until used.

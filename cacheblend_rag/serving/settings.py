@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Optional, Union
+from dataclasses import replace
+from typing import Any, ClassVar, Dict, Iterator, Optional, Union
 
 from pydantic import ByteSize, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
@@ -38,10 +39,12 @@ from cacheblend_rag.serving.arguments import (
     unknown_names_error,
     with_generate_kwargs,
 )
+from cacheblend_rag.serving.chat_turn import ChatTurn, TurnEvent, run_turn
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.pickling import PicklesWithoutEngine
 from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, scheduler_for, segment_cache_for
 from cacheblend_rag.serving.registry import shared_engine
+from cacheblend_rag.serving.remote import RemoteChat
 from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
@@ -79,6 +82,15 @@ class CacheBlendSettings(PicklesWithoutEngine):
         description="The embedded 'SmolLM2-135M-Instruct' (default, offline), a catalog name ('qwen2.5-coder-1.5b', "
         "fetched once with `cacheblend-rag model fetch`), a model folder, a .gguf file, a hub id, or "
         "'tiny-<llama|mistral|qwen2|qwen3>' (tiny random models for tests).",
+    )
+    base_url: Optional[str] = Field(
+        default=None,
+        description="URL of a running `cacheblend-rag serve` (http://host:port, with or without /v1): the model "
+        "answers there and nothing is loaded here; chunks go to it as the request's documents. None: in process.",
+    )
+    api_key: Optional[SecretStr] = Field(
+        default=None, exclude=True, repr=False,
+        description="The server's key (with base_url); None: $CACHEBLEND_API_KEY, else none. Never stored.",
     )
     engine: Optional[CacheBlendEngine] = Field(
         default=None, exclude=True, repr=False,
@@ -262,7 +274,9 @@ class CacheBlendSettings(PicklesWithoutEngine):
         "stop_strings, eos_token_id, seed; a call may pass its own. num_beams>1 and the like are refused, saying why.")
     _max_tokens_field: ClassVar[str] = "max_new_tokens"
 
-    _service: BlendService = PrivateAttr()
+    _service: Optional[BlendService] = PrivateAttr(default=None)
+    _remote: Optional[RemoteChat] = PrivateAttr(default=None)
+    _remote_announced: Optional[AnnouncedChunks] = PrivateAttr(default=None)
     _calibration: Optional[CalibratedSetting] = PrivateAttr(default=None)
     _calibration_lookup: CalibrationLookup = PrivateAttr(default=CalibrationLookup(None))
 
@@ -301,6 +315,14 @@ class CacheBlendSettings(PicklesWithoutEngine):
                 "process can create and write, or store_path=None to keep chunk KV in memory"
             )
         return str(folder)
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url_is_http(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={value!r} must be an http:// or https:// URL of a running `cacheblend-rag "
+                             "serve`, e.g. http://127.0.0.1:8000, or None to load the model in process")
+        return value
 
     @field_validator("chat_template_kwargs", mode="before")
     @classmethod
@@ -342,6 +364,9 @@ class CacheBlendSettings(PicklesWithoutEngine):
         # The sampling fields, checked by GenerationConfig against the answer's length when it is set.
         self.generation_config_with(getattr(self, self._max_tokens_field, None) or max(1, self.min_new_tokens), None, {})
         self._validate_settings()
+        if self.base_url is not None:  # the model is the server's: nothing is loaded here
+            self._remote_announced = AnnouncedChunks(self.max_announced_chunks)
+            return self
         # Only now, with every setting checked, is the model loaded (seconds) and the store opened.
         self._service = self._open_service()
         self.engine.plan(self.blend_config)  # the check layer against this model's depth
@@ -418,7 +443,56 @@ class CacheBlendSettings(PicklesWithoutEngine):
 
     @property
     def service(self) -> BlendService:
+        if self._service is None and self.base_url is not None:
+            raise ConfigError(f"this {type(self).__name__} answers through the server at {self.base_url} and has "
+                              "no engine here; drop base_url to load the model in process for this")
         return self._service
+
+    # ------------------------------------------------------------------ turns
+    @property
+    def is_remote(self) -> bool:
+        """Whether the model answers in a server (``base_url``) rather than in this process."""
+        return self.base_url is not None
+
+    @property
+    def remote(self) -> RemoteChat:
+        """The client of the server at ``base_url`` (made on first use, so an unpickled object makes its own)."""
+        if self.base_url is None:
+            raise ConfigError(f"this {type(self).__name__} has no base_url: it answers in process")
+        if self._remote is None:
+            key = self.api_key.get_secret_value() if self.api_key is not None else os.environ.get("CACHEBLEND_API_KEY")
+            # The default name is filled in when none is given: then whatever model the server serves.
+            model = None if self.model == DEFAULT_MODEL_NAME else self.model
+            self._remote = RemoteChat(self.base_url, api_key=key, model=model)
+        return self._remote
+
+    @property
+    def announced(self) -> AnnouncedChunks:
+        """The chunk texts announced to this object (by its retriever or postprocessor)."""
+        if self.base_url is not None:
+            if self._remote_announced is None:  # unpickled
+                self._remote_announced = AnnouncedChunks(self.max_announced_chunks)
+            return self._remote_announced
+        return self.service.announced
+
+    def explicit_blend_options(self) -> dict[str, Any]:
+        """The blend fields set on this object, which a server request carries (the server's own otherwise)."""
+        return {name: getattr(self, name) for name in BLEND_FIELDS if name in self.model_fields_set}
+
+    def run_turn(self, turn: ChatTurn) -> Iterator[TurnEvent]:
+        """``turn`` answered in process or by the server at ``base_url``: the same events either way
+        (:mod:`~cacheblend_rag.serving.chat_turn`). Remotely, the announced chunk texts found verbatim in the
+        messages go as the request's documents (the server looks for those only)."""
+        if self.base_url is None:
+            return run_turn(self, turn)
+        if not turn.documents:
+            texts = [m.get("content") for m in turn.messages or () if isinstance(m.get("content"), str)]
+            texts += [turn.prompt] if turn.prompt else []
+            found = [t for t in self.announced.known() if any(t in text for text in texts)]
+            turn = replace(turn, documents=found)
+        if turn.reuse is None and "reuse_chunk_kv" in self.model_fields_set:
+            turn = replace(turn, reuse=self.reuse_chunk_kv)
+        return self.remote.run_turn(turn, self.explicit_blend_options())
 
     def stats_of(self, served: Served) -> dict[str, Any]:
         """The stats a response carries: ``served``'s, with chunks the retrieval side computed for this
@@ -434,6 +508,9 @@ class CacheBlendSettings(PicklesWithoutEngine):
     def precompute_texts(self, texts: list[str], *, show_progress: bool, for_request: bool) -> WarmSummary:
         """Compute and store the KV of the chunk texts the store lacks; ``for_request``: for the coming
         request (the retrieval side at query time), whose stats then count those chunks apart."""
+        if self.base_url is not None:
+            counts = self.remote.warm(texts)
+            return WarmSummary(new=int(counts.get("computed") or 0), present=int(counts.get("already_stored") or 0))
         summary = self._service.warm(texts, show_progress=show_progress)
         if for_request:
             self._service.announced.note_computed(summary.computed)
