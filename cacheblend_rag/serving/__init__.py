@@ -11,7 +11,12 @@ and one path from a rendered prompt to a blended answer. The integrations are fr
 * :mod:`~cacheblend_rag.serving.admission`: the KV memory budget its running requests share, and who may start;
 * :mod:`~cacheblend_rag.serving.chunks`: the normal form of a chunk's text and the announced texts;
 * :mod:`~cacheblend_rag.serving.segment_cache`: :class:`SegmentCache`, spans after the chunks kept as cached segments;
-* :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out.
+* :mod:`~cacheblend_rag.serving.service`: :class:`BlendService`, prompt in, answer and stats out;
+* :mod:`~cacheblend_rag.serving.chat_turn`: :func:`run_turn`, one chat turn (messages, documents, tools,
+  response format, timeout, cache salt) in, events out: what the HTTP server and both integrations stand on;
+* :mod:`~cacheblend_rag.serving.remote`: :class:`RemoteChat`, the same turns answered by a running server.
+
+The integrations import only the names this package exports (a test keeps it so).
 """
 
 from cacheblend_rag.prompting import chunk_text, chunk_texts
@@ -33,6 +38,27 @@ from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, Re
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
 from cacheblend_rag.serving.arguments import BLEND_FIELDS, SAMPLING_FIELDS, unknown_names_error
 from cacheblend_rag.serving.settings import CacheBlendSettings
+from cacheblend_rag.serving.chat_turn import (
+    ChatTurn,
+    Document,
+    ReasoningDelta,
+    TextDelta,
+    ToolCalls,
+    TurnEnd,
+    TurnEvent,
+    render_turn,
+    run_turn,
+)
+from cacheblend_rag.serving.remote import RemoteChat, RemoteServerError
+# What the integrations use beside the turn: the framework-neutral pieces of messages, tools and streams.
+from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.concurrency import iterate_in_thread, run_in_thread
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.errors import BlendInputError, ConfigError
+from cacheblend_rag.serving.thinking import Thought, thinks
+from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
+from cacheblend_rag.serving.tools import ToolCall, tool_functions, tools_instruction
+from cacheblend_rag.store import ChunkCache, WarmSummary
 
 __all__ = [
     "AnnouncedChunks", "BLEND_FIELDS", "SAMPLING_FIELDS", "BlendService", "CacheBlendSettings", "EngineSlot", "KVBudgetError",
@@ -41,4 +67,9 @@ __all__ = [
     "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for",
     "scheduler_for", "release_engine", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
     "unknown_names_error",
+    "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent", "render_turn",
+    "run_turn", "RemoteChat", "RemoteServerError",
+    "BlendConfig", "GenerationConfig", "iterate_in_thread", "run_in_thread", "CacheBlendEngine", "BlendInputError",
+    "ConfigError", "Thought", "thinks", "assistant_turn", "render_chat", "tool_turn", "ToolCall", "tool_functions",
+    "tools_instruction", "ChunkCache", "WarmSummary",
 ]
