@@ -89,8 +89,8 @@ PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $(PEERS_NO_AMX)
 peers: $(STAMP)
 	@echo "peers: kvboost 0.9.0"
 	@$(PIP_INSTALL) "kvboost==0.9.0"
-	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "peers: llama-cpp-python, built from source (minutes)"; \
-	  CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"; }
+	@$(PY) -c "import llama_cpp.server.app" 2>/dev/null || { echo "peers: llama-cpp-python, built from source (minutes)"; \
+	  CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python[server]==0.3.36"; }
 	@echo "peers: done; run $(PY) benchmarks/bench_peers.py --help"
 
 clean:

@@ -31,7 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "testing_tools": {"testing"},
     "serving": {"engine", "store", "prompting", "config", "errors", "models", "concurrency", "testing"},
     "bench": {"engine", "store", "prompting", "config", "errors", "models", "data", "__init__"},
-    "cli": {"store", "bench", "models", "errors"},  # the command groups, imported by name
+    # The HTTP server: a client of the serving layer, as the integrations are.
+    "server": {"serving", "engine", "store", "prompting", "config", "errors", "models", "concurrency"},
+    "cli": {"store", "bench", "models", "errors", "server"},  # the command groups, imported by name
     "__init__": {"config", "engine", "errors", "models"},
 }
 FRAMEWORKS = ("llama_index", "langchain", "langchain_core", "langchain_cacheblend")
@@ -124,6 +126,17 @@ def test_imports_stay_on_their_floor(module):
 def test_the_core_never_imports_a_framework(module):
     frameworks = sorted(i for i in IMPORTS[module] if i.split(".")[0] in FRAMEWORKS)
     assert not frameworks, f"{module} imports {frameworks}: framework code belongs in integrations/"
+
+
+INTEGRATION_MODULES = sorted(_integration_sources())
+
+
+@pytest.mark.parametrize("module", INTEGRATION_MODULES)
+def test_the_integrations_use_only_what_the_serving_layer_exports(module):
+    """The integrations stand on ``cacheblend_rag.serving``'s exported names, so the core can move its
+    modules without breaking them (issue 68)."""
+    reached = sorted(i for i in IMPORTS[module] if i.split(".")[0] == "cacheblend_rag" and i != "cacheblend_rag.serving")
+    assert not reached, f"{module} imports {reached}; import those names from cacheblend_rag.serving (export them there)"
 
 
 # research/: the experiments behind research/quality_notebook.md. They import the package; the package and the
