@@ -57,7 +57,7 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.serving.thinking import Thought, thinks
 from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
-from cacheblend_rag.serving.tools import ToolCall, tool_functions, tools_instruction
+from cacheblend_rag.serving.tools import ToolCall, chosen_tools, tool_functions, tools_instruction
 from cacheblend_rag.store import ChunkCache, WarmSummary
 
 __all__ = [
@@ -70,6 +70,6 @@ __all__ = [
     "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent", "render_turn",
     "run_turn", "RemoteChat", "RemoteServerError",
     "BlendConfig", "GenerationConfig", "iterate_in_thread", "run_in_thread", "CacheBlendEngine", "BlendInputError",
-    "ConfigError", "Thought", "thinks", "assistant_turn", "render_chat", "tool_turn", "ToolCall", "tool_functions",
-    "tools_instruction", "ChunkCache", "WarmSummary",
+    "ConfigError", "Thought", "thinks", "assistant_turn", "render_chat", "tool_turn", "ToolCall", "chosen_tools",
+    "tool_functions", "tools_instruction", "ChunkCache", "WarmSummary",
 ]

@@ -417,9 +417,12 @@ class CacheBlendSettings(PicklesWithoutEngine):
     def config_source(self) -> str:
         """Where the blend setting comes from: ``"user"``, ``"calibrated: <file>"``, ``"calibrated (shipped):
         <file>"`` (the package's own for this model), either noting ``measured in <dtype>`` when the engine
-        computes in another, or ``"built-in"`` (``"built-in (<why>)"`` when a calibration cannot be used)."""
+        computes in another, or ``"built-in"`` (``"built-in (<why>)"`` when a calibration cannot be used);
+        with ``base_url``, ``"server: <base_url>"`` (the server's setting: each response's stats name it)."""
         if self.model_fields_set & _CALIBRATED_CHOICES:
             return "user"
+        if self.base_url is not None:
+            return f"server: {self.base_url}"
         return self._calibration_lookup.source
 
     @property

@@ -5,15 +5,14 @@ reasoning as the message's thinking block, and argument hints."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict
 
 import pytest
-from llama_index.core.base.llms.types import CompletionResponse, ThinkingBlock
+from llama_index.core.base.llms.types import ThinkingBlock
 from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import ChatMemoryBuffer
 from pydantic import ValidationError
 
-from cacheblend_rag.testing import tiny_engine, tiny_thinking_engine
+from cacheblend_rag.testing import script_answers, tiny_engine, tiny_thinking_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 
 SCRIPT = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
@@ -62,26 +61,24 @@ def test_chat_template_kwargs_reach_the_template(qwen3) -> None:
         CacheBlendLLM.from_engine(qwen3, chat_template_kwargs=["enable_thinking"])
 
 
-class Scripted(CacheBlendLLM):
-    """Answers with a fixed text, as a thinking model writes it (the tiny model's own text is random)."""
-
-    def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        return super()._generate(prompt, kwargs).model_copy(update={"text": SCRIPT})
-
-    async def _agenerate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        return (await super()._agenerate(prompt, kwargs)).model_copy(update={"text": SCRIPT})
+def scripted(engine, monkeypatch, answers: int = 1) -> CacheBlendLLM:
+    """An LLM whose next calls run for real and answer with SCRIPT, as a thinking model writes it (the tiny
+    model's own text is random)."""
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=2)
+    script_answers(llm, monkeypatch, *[[SCRIPT]] * answers)
+    return llm
 
 
-def test_thinking_is_the_messages_thinking_block(qwen3, engine) -> None:
+def test_thinking_is_the_messages_thinking_block(qwen3, engine, monkeypatch) -> None:
     question = [ChatMessage(role="user", content="What is the capital of France?")]
-    for response in (Scripted.from_engine(qwen3, max_new_tokens=2).chat(question),
-                     asyncio.run(Scripted.from_engine(qwen3, max_new_tokens=2).achat(question))):
+    for response in (scripted(qwen3, monkeypatch).chat(question),
+                     asyncio.run(scripted(qwen3, monkeypatch).achat(question))):
         assert response.message.content == "Paris."
         thinking = [b for b in response.message.blocks if isinstance(b, ThinkingBlock)]
         assert [b.content for b in thinking] == ["The capital of France is Paris."]
         assert response.additional_kwargs["prompt_tokens"] > 0  # the stats stay where they were
     # A model whose tokenizer has no thinking tags answers with whatever text it wrote.
-    assert Scripted.from_engine(engine, max_new_tokens=2).chat(question).message.content == SCRIPT
+    assert scripted(engine, monkeypatch).chat(question).message.content == SCRIPT
 
 
 @pytest.mark.parametrize(("given", "hint"), [

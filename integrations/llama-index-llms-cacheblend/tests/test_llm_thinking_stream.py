@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import typing
-from typing import Any, Dict, Literal
+from typing import Any, Literal
 
 import pytest
-from llama_index.core.base.llms.types import CompletionResponse, ThinkingBlock
+from llama_index.core.base.llms.types import ThinkingBlock
 from llama_index.core.llms import ChatMessage
 from llama_index.core.tools import FunctionTool
 
@@ -93,21 +93,11 @@ def test_a_call_after_thinking_is_a_tool_call(qwen3, monkeypatch, run_async) -> 
     assert selection.tool_name == "set_mode" and selection.tool_kwargs == {"mode": "safe"}
     assert not any(r.delta for r in responses)  # the call's JSON was held, never shown as text
     # chat and achat read the whole answer as the stream does.
-    whole = CalledAfterThinking.from_engine(qwen3, max_new_tokens=3)
+    whole = scripted(qwen3, monkeypatch, CALL, CALL)
     for answered in (whole.chat_with_tools([tool], chat_history=QUESTION),
                      asyncio.run(whole.achat_with_tools([tool], chat_history=QUESTION))):
         assert thinking_of(answered) == ["Ask the tool."]
         assert whole.get_tool_calls_from_response(answered)[0].tool_kwargs == {"mode": "safe"}
-
-
-class CalledAfterThinking(CacheBlendLLM):
-    """Answers (not streamed) with a call after its thinking; the tiny model's own text is random."""
-
-    def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        return super()._generate(prompt, kwargs).model_copy(update={"text": "".join(CALL)})
-
-    async def _agenerate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        return (await super()._agenerate(prompt, kwargs)).model_copy(update={"text": "".join(CALL)})
 
 
 def test_a_function_agent_streams_the_thinking_then_calls_the_tool(qwen3, monkeypatch) -> None:

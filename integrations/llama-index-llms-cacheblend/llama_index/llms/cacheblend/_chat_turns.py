@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
 
-from cacheblend_rag.serving.tool_chat import assistant_turn, tool_turn
+from cacheblend_rag.serving import assistant_turn, tool_turn
 
 _Call = Tuple[Optional[str], str, Any]
 

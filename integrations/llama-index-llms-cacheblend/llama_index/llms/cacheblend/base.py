@@ -2,18 +2,18 @@
 
 A query engine hands the LLM one flat prompt string. Beforehand, the
 ``CacheBlendNodePostprocessor`` (``llama-index-postprocessor-cacheblend``) has announced the
-retrieved chunk texts and made sure their KV is in the chunk store. The LLM renders chat
-messages with the tokenizer's chat template and hands the prompt to the core's serving layer
-(:class:`cacheblend_rag.serving.BlendService`), which finds every announced chunk verbatim,
-blends their cached KV with selective recompute and decodes. A prompt with no announced chunk
-in it is answered by plain full prefill, and the stats say so. Each response carries the
-stats in ``additional_kwargs`` (and ``raw``).
+retrieved chunk texts and made sure their KV is in the chunk store. Every call is one chat turn
+(:class:`cacheblend_rag.serving.ChatTurn`) answered by :meth:`run_turn`: in process, the messages are
+rendered with the tokenizer's chat template, every announced chunk found verbatim is blended from its
+cached KV with selective recompute, and the answer decodes on the engine's scheduler; with
+``base_url``, a running ``cacheblend-rag serve`` does the same, the announced chunks in the messages
+going to it as the request's documents. A prompt with no announced chunk in it is answered by plain
+full prefill, and the stats say so. Each response carries the stats in ``additional_kwargs`` (and ``raw``).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -29,25 +29,17 @@ from llama_index.core.base.llms.types import (
     ThinkingBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from cacheblend_rag.concurrency import iterate_in_thread, run_in_thread
-from cacheblend_rag.config import GenerationConfig
-from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, Served, unknown_names_error
-from cacheblend_rag.serving.service import BlendService
-from cacheblend_rag.serving.answer_stream import AnswerStream
-from cacheblend_rag.serving.tool_stream import ToolCallStream
-from cacheblend_rag.serving.thinking import Thought
-from cacheblend_rag.serving.tool_chat import render_chat
-from cacheblend_rag.serving.tool_formats import tool_format
-from cacheblend_rag.serving.tools import ToolCall, chosen_tools, constrained, tool_functions, tools_instruction
-from cacheblend_rag.store import ChunkCache
+from cacheblend_rag.serving import (
+    BLEND_FIELDS, SAMPLING_FIELDS, BlendService, CacheBlendEngine, CacheBlendSettings, ChatTurn, ChunkCache,
+    ConfigError, GenerationConfig, ReasoningDelta, TextDelta, ToolCall, ToolCalls, TurnEnd, TurnEvent, chosen_tools,
+    iterate_in_thread, render_chat, tool_functions, tools_instruction, unknown_names_error,
+)
 from llama_index.llms.cacheblend._chat_turns import chat_dicts
-
-logger = logging.getLogger(__name__)
 
 _CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIELDS, *BLEND_FIELDS, "tools",
                            "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format",
@@ -55,11 +47,18 @@ _CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIE
 
 
 class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
-    """A local model that reuses precomputed chunk KV caches (CacheBlend) for RAG prompts.
+    """A model that reuses precomputed chunk KV caches (CacheBlend) for RAG prompts, loaded here or
+    answering through a running ``cacheblend-rag serve``.
 
     >>> llm = CacheBlendLLM()                        # embedded SmolLM2-135M-Instruct, KV in memory
+    >>> llm = CacheBlendLLM(base_url="http://127.0.0.1:8000", api_key="...")   # or: a server's model
     >>> query_engine = index.as_query_engine(
     ...     llm=llm, node_postprocessors=[CacheBlendNodePostprocessor(llm=llm)])
+
+    With ``base_url`` nothing is loaded here: every call (``complete``, ``chat``, streaming, async, tools,
+    structured output) is a request to the server, the postprocessor's nodes go to it as the request's
+    documents and are warmed in its store, and responses carry the server's stats in the same places.
+    ``api_key`` (else ``$CACHEBLEND_API_KEY``) is never in ``repr``, ``to_dict`` or ``to_json``.
 
     The model, store and blending fields are shared with LangChain's ``ChatCacheBlend``
     (:class:`cacheblend_rag.serving.CacheBlendSettings`). Set ``reuse_chunk_kv=False`` for the
@@ -72,7 +71,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     # --- LlamaIndex behaviour
     context_window: Optional[int] = Field(
-        default=None, description="Prompt + answer tokens; None takes the model's maximum position."
+        default=None, description="Prompt + answer tokens; None takes the model's maximum position (the server's)."
     )
     is_chat_model: Optional[bool] = Field(
         default=None, description="Render chat messages with the tokenizer's chat template; None: if it has one."
@@ -92,7 +91,8 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     __setstate__ = CacheBlendSettings.__setstate__
 
     def __init__(self, **kwargs: Any) -> None:
-        """``engine=`` and ``chunk_cache=`` let several LLMs share one loaded model and one store."""
+        """``engine=`` and ``chunk_cache=`` let several LLMs share one loaded model and one store;
+        ``base_url=`` (and ``api_key=``) answers through a server instead."""
         custom_messages = kwargs.get("messages_to_prompt") is not None
         custom_completion = kwargs.get("completion_to_prompt") is not None
         super().__init__(**kwargs)
@@ -137,30 +137,39 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     # ------------------------------------------------------------ properties
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(
-            context_window=self.context_window or self.engine.context_window,
-            num_output=self.max_new_tokens,
-            is_chat_model=self._is_chat,
-            is_function_calling_model=True,
-            model_name=self.engine.model_name,
-        )
+        """The context window and name of the model, the server's with ``base_url`` (asked once)."""
+        if self.is_remote:
+            served = self.remote.context_window or DEFAULT_CONTEXT_WINDOW
+            window, name = min(self.context_window or served, served), self.remote.model_info().get("id") or self.model
+        else:
+            window, name = self.context_window or self.engine.context_window, self.engine.model_name
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=self._is_chat,
+                           is_function_calling_model=True, model_name=name)
 
     @property
     def _is_chat(self) -> bool:
         if self.is_chat_model is not None:
             return self.is_chat_model
-        return bool(getattr(self.engine.tokenizer, "chat_template", None))
+        # A server renders every request with its model's chat template.
+        return self.is_remote or bool(getattr(self.engine.tokenizer, "chat_template", None))
 
     @property
     def tokenizer_fn(self) -> Callable[[str], List[int]]:
         """The model's own tokenizer, as LlamaIndex's token counters take one: ``Settings.tokenizer =
         llm.tokenizer_fn`` makes memory buffers, the prompt helper and ``TokenCountingHandler`` count the
-        model's tokens (LlamaIndex's default is tiktoken's, another model's)."""
+        model's tokens (LlamaIndex's default is tiktoken's, another model's). Not with ``base_url``."""
+        if self.is_remote:
+            raise ConfigError(
+                f"tokenizer_fn is the model's own tokenizer, and this CacheBlendLLM answers through the server at "
+                f"{self.base_url}: no model or tokenizer is loaded here. Load the served model's tokenizer here "
+                "(tokenizer_fn=transformers.AutoTokenizer.from_pretrained(<its folder or hub id>).encode), or keep "
+                "LlamaIndex's default counter; each response's raw['usage'] has the server's own token counts")
         return self.engine.tokenize
 
     @property
     def last_prompt(self) -> Optional[str]:
-        """The rendered prompt string of the most recent call (after chat templating)."""
+        """The rendered prompt string of the most recent call (after chat templating). With ``base_url`` the
+        server renders messages: then the prompt sent, for a completion, else None."""
         return self._last_prompt
 
     @property
@@ -170,58 +179,61 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     # ------------------------------------------------------- chunk handling
     def announce_chunks(self, texts: Sequence[str]) -> List[str]:
-        """Tell the LLM which chunk texts the coming prompts will contain (the postprocessor does this)."""
-        return self.service.announce(texts)
+        """Tell the LLM which chunk texts the coming prompts will contain (the postprocessor does this);
+        with ``base_url``, those found in a call's messages go to the server as its documents."""
+        return self.announced.announce(texts)
 
     def forget_chunks(self) -> None:
         """Drop every announced chunk text (the stored KV stays)."""
-        self.service.announced.clear()
+        self.announced.clear()
 
     def precompute(self, texts: Sequence[str], *, show_progress: bool = False, for_request: bool = False) -> Any:
-        """Compute and store the KV of each chunk text that the store lacks; returns the store's summary.
-        ``for_request`` (the postprocessor's): computed for the coming query, whose stats count those
-        chunks as ``precomputed_for_request`` rather than as store hits."""
+        """Compute and store the KV of each chunk text that the store lacks (the server's, with ``base_url``);
+        returns the store's summary. ``for_request`` (the postprocessor's): computed for the coming query,
+        whose stats count those chunks as ``precomputed_for_request`` rather than as store hits."""
         return self.precompute_texts(list(texts), show_progress=show_progress, for_request=for_request)
 
-    # ------------------------------------------------------------ prompting
-    def _render_messages(self, messages: Sequence[ChatMessage], kwargs: Optional[Dict[str, Any]] = None) -> str:
-        """The prompt of ``messages``, with the tools ``kwargs`` bind listed in the model's own format where
-        its chat template has one, else in our system turn (:func:`cacheblend_rag.serving.tool_chat.render_chat`)."""
-        tokenizer = self.engine.tokenizer
-        tools, required = self._tools(kwargs or {})
-        if self._custom_messages_to_prompt or not getattr(tokenizer, "chat_template", None):
-            return self.messages_to_prompt(self._with_tools(messages, tools, required))
-        return render_chat(tokenizer, chat_dicts(messages), tools, required=required,
-                           template_kwargs=self.chat_template_kwargs)
+    # ------------------------------------------------------------ turns
+    def _chat_turn(self, messages: Sequence[ChatMessage], kwargs: Dict[str, Any]) -> ChatTurn:
+        """The turn of ``messages``: as chat-template dicts, rendered by the model's template (here or in the
+        server), or as the prompt a custom ``messages_to_prompt`` (or a tokenizer without a template) makes,
+        the bound tools then listed in our system turn."""
+        templated = self.is_remote or getattr(self.engine.tokenizer, "chat_template", None)
+        if self._custom_messages_to_prompt or not templated:
+            tools, required = chosen_tools(tool_functions(kwargs.get("tools") or []), _tool_choice(kwargs))
+            return self._turn(kwargs, prompt=self.messages_to_prompt(self._with_tools(messages, tools, required)))
+        return self._turn(kwargs, messages=chat_dicts(messages))
+
+    def _completion_turn(self, prompt: str, formatted: bool, kwargs: Dict[str, Any]) -> ChatTurn:
+        return self._turn(kwargs, prompt=self._format_completion(prompt, formatted))
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
         if formatted:
             return prompt
         if self._custom_completion_to_prompt or not (self._is_chat and self.chat_template_for_completions):
             return self.completion_to_prompt(prompt)
-        return self._render_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
+        question = [ChatMessage(role=MessageRole.USER, content=prompt)]
+        if self._custom_messages_to_prompt:
+            return self.messages_to_prompt(question)
+        if self.is_remote:
+            return prompt  # the server sends a prompt as one user turn of its chat template
+        return render_chat(self.engine.tokenizer, chat_dicts(question), [], required=False,
+                           template_kwargs=self.chat_template_kwargs)
 
-    def _call_configs(self, kwargs: Dict[str, Any]) -> tuple:
-        """The generation and blend configs of one call: the fields, overridden by its keyword arguments
-        (generation and blend settings; anything else is an error that names the closest one)."""
+    def _turn(self, kwargs: Dict[str, Any], **conversation: Any) -> ChatTurn:
+        """One call's turn: the fields, overridden by its keyword arguments (generation and blend settings,
+        tools, ``response_format``; anything else is an error that names the closest one)."""
         unknown = sorted(set(kwargs) - _CALL_OPTIONS)
         if unknown:
             raise unknown_names_error("CacheBlendLLM", unknown, set(_CALL_OPTIONS), "call option")
         max_new_tokens = kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens
         stop = kwargs.get("stop") if kwargs.get("stop") is not None else self.stop
-        generation = self.generation_config_with(max_new_tokens, stop, kwargs)
-        tools, required = self._tools(kwargs)
-        generation = constrained(generation, tools, required, kwargs.get("response_format"),
-                                 tool_format(self.engine.tokenizer).arguments_key)
-        blend = self.blend_config_with({k: kwargs[k] for k in BLEND_FIELDS if k in kwargs})
-        return generation, blend
-
-    @staticmethod
-    def _tools(kwargs: Dict[str, Any]) -> tuple:
-        """The tools a call may use (OpenAI format, as ``_prepare_chat_with_tools`` passes them) and
-        whether it must use one."""
-        choice = kwargs.get("tool_choice") or ("required" if kwargs.get("tool_required") else None)
-        return chosen_tools(tool_functions(kwargs.get("tools") or []), choice)
+        tools = list(kwargs.get("tools") or [])
+        tool_functions(tools)  # a tool of another form is refused here, in process or not
+        return ChatTurn(generation=self.generation_config_with(max_new_tokens, stop, kwargs), tools=tools,
+                        tool_choice=_tool_choice(kwargs), response_format=kwargs.get("response_format"),
+                        parallel_tool_calls=kwargs.get("allow_parallel_tool_calls", True),
+                        blend_options={k: kwargs[k] for k in BLEND_FIELDS if k in kwargs}, **conversation)
 
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
@@ -252,143 +264,136 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
             return list(messages)
         return [ChatMessage(role=MessageRole.SYSTEM, content=tools_instruction(tools, required)), *messages]
 
-    def _answer(self, prompt: str, kwargs: Dict[str, Any]) -> tuple[AnswerStream, Optional[ToolCallStream]]:
-        """How an answer to ``prompt`` is shown: a thinking model's thinking apart, and with tools bound,
-        the answer after it held while it may still be a call (the second item: that call stream, or None).
-        ``allow_parallel_tool_calls=False`` keeps the first of several calls."""
-        tools, required = self._tools(kwargs)
-        calls = ToolCallStream.for_tokenizer(self.engine.tokenizer, tools, required=required,
-                                             parallel=kwargs.get("allow_parallel_tool_calls", True)) if tools else None
-        return AnswerStream.for_prompt(self.engine.tokenizer, prompt, calls), calls
-
-    def _answered(self, prompt: str, response: ChatResponse, kwargs: Dict[str, Any]) -> ChatResponse:
-        """``response`` with its text read as a thinking model's thinking (a ``ThinkingBlock``, so
-        ``message.content`` is the answer alone and a later turn's prompt leaves the thinking out) and, with
-        tools bound, the answer after it as calls of bound tools, when it makes any."""
-        answer, calls = self._answer(prompt, kwargs)
-        thought, _ = answer.read(response.message.content or "")
-        message = _answer_message(thought.reasoning, thought.answer, calls.calls if calls else [])
-        stats = {**response.additional_kwargs, **(calls.stats() if calls else {})}
-        return response.model_copy(update={"message": message, "additional_kwargs": stats})
-
-    def _stream_chat(self, prompt: str, kwargs: Dict[str, Any]) -> ChatResponseGen:
-        """Text streams as soon as it cannot be the start of a call; a thinking model's thinking streams as
-        ``additional_kwargs["thinking_delta"]`` and the message's ``ThinkingBlock`` (as llama-index-llms-ollama
-        gives them). The last response carries the stats and, when the answer was a call, the call (as
-        :meth:`chat` gives it)."""
+    # ------------------------------------------------------------ answers
+    def _stream(self, turn: ChatTurn, as_chat: bool) -> Iterator[Any]:
+        """A response per delta of the turn's thinking or text (a thinking delta in ``additional_kwargs
+        ["thinking_delta"]`` and the message's ``ThinkingBlock``, as llama-index-llms-ollama gives them; text
+        only once it cannot be the start of a call). One delta is held back so that the last response carries
+        the stats and, when the answer was a call, the call (as :meth:`chat` gives it)."""
         # A generator (not any iterator): LlamaIndex's callback decorator wraps only generators.
-        answer, calls = self._answer(prompt, kwargs)
-        reasoning, shown, previous = "", "", None
-        for response in self._generate_stream(prompt, kwargs):  # its last response carries the stats
-            if previous is not None:
-                part = answer.feed(previous.delta or "")
-                if part.reasoning or part.answer:
-                    reasoning, shown = reasoning + part.reasoning, shown + part.answer
-                    yield ChatResponse(message=_answer_message(reasoning, shown, []), delta=part.answer,
-                                       additional_kwargs=_thinking_delta(part.reasoning))
-            previous = response
-        assert previous is not None  # _generate_stream always ends with the response carrying the stats
-        part = answer.feed(previous.delta or "")
-        rest, _ = answer.finish()
-        part = Thought(part.reasoning + rest.reasoning, part.answer + rest.answer)
-        reasoning, shown = reasoning + part.reasoning, shown + part.answer
-        stats = {**previous.additional_kwargs, **(calls.stats() if calls else {})}
-        yield ChatResponse(message=_answer_message(reasoning, shown, calls.calls if calls else []), delta=part.answer,
-                           additional_kwargs={**stats, **_thinking_delta(part.reasoning)},
-                           raw=previous.raw)
-
-    # ------------------------------------------------------------ generation
-    def _generate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        generation, blend = self._call_configs(kwargs)
-        served = self.service.generate(prompt, generation, blend, reuse=self.reuse_chunk_kv)
-        return self._finish(prompt, served, text=served.result.text, delta=None)
-
-    async def _agenerate(self, prompt: str, kwargs: Dict[str, Any]) -> CompletionResponse:
-        generation, blend = self._call_configs(kwargs)
-        stream = self.service.stream(prompt, generation, blend, reuse=self.reuse_chunk_kv)
+        answer, held, last = _Answer(), None, ("", "")
+        events = self.run_turn(turn)
         try:
-            served = await run_in_thread(stream.result)
-        finally:
-            stream.close()  # a cancelled task's request leaves the scheduler at its next step
-        return self._finish(prompt, served, text=served.result.text, delta=None)
-
-    def _generate_stream(self, prompt: str, kwargs: Dict[str, Any]) -> Iterator[CompletionResponse]:
-        """Yields a response per text delta; the last one carries the stats.
-
-        One delta is held back so the stats can ride on the final delta instead of an empty
-        extra response.
-        """
-        generation, blend = self._call_configs(kwargs)
-        text, held = "", None
-        stream = self.service.stream(prompt, generation, blend, reuse=self.reuse_chunk_kv)
-        try:
-            for delta in stream:
+            for event in events:
+                part = answer.add(event)
+                if part is None:
+                    continue
                 if held is not None:
-                    text += held
-                    yield CompletionResponse(text=text, delta=held)
-                held = delta
-            served = stream.result()
+                    yield held
+                held, last = self._response(as_chat, answer, *part), part
         finally:
-            stream.close()
-        last = held or ""
-        yield self._finish(prompt, served, text=text + last, delta=last)
+            events.close()  # a consumer that stops early cancels the request
+        yield self._response(as_chat, answer, *last, ended=turn)
 
-    def _finish(self, prompt: str, served: Served, *, text: str, delta: Optional[str]) -> CompletionResponse:
-        stats = self.stats_of(served)
-        self._last_prompt, self._last_stats = prompt, stats
-        result = served.result
+    def _whole(self, turn: ChatTurn, as_chat: bool) -> Any:
+        answer = _Answer()
+        events = self.run_turn(turn)
+        try:
+            for event in events:
+                answer.add(event)
+        finally:
+            events.close()
+        return self._response(as_chat, answer, answer.reasoning, None, ended=turn)
+
+    async def _awhole(self, turn: ChatTurn, as_chat: bool) -> Any:
+        # The turn runs in a worker thread (the engine's scheduler, or the server's stream); a cancelled task
+        # stops it at its next event, which cancels the request.
+        answer = _Answer()
+        async for event in iterate_in_thread(lambda: self.run_turn(turn)):
+            answer.add(event)
+        return self._response(as_chat, answer, answer.reasoning, None, ended=turn)
+
+    def _response(self, as_chat: bool, answer: "_Answer", reasoning: str, delta: Optional[str],
+                  ended: Optional[ChatTurn] = None) -> Any:
+        """A response to the answer so far; ``ended``: the turn has ended, the response carries its stats."""
+        extra, raw = self._finish(ended, answer.end) if ended is not None else ({}, None)
+        extra = {**extra, **({"thinking_delta": reasoning} if reasoning else {})}
+        if not as_chat:
+            return CompletionResponse(text=answer.text, delta=delta, additional_kwargs=extra, raw=raw)
+        message = _answer_message(answer.reasoning, answer.text, answer.calls if ended is not None else [])
+        return ChatResponse(message=message, delta=delta, additional_kwargs=extra, raw=raw)
+
+    def _finish(self, turn: ChatTurn, end: Optional[TurnEnd]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        if end is None:
+            raise RuntimeError("the turn's events ended without its TurnEnd")
+        prompt = end.prompt if end.prompt is not None else turn.prompt
+        self._last_prompt, self._last_stats = prompt, end.stats
         # "usage" as LlamaIndex's TokenCountingHandler reads it: the tokens the model really saw.
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                 "total_tokens": result.prompt_tokens + result.completion_tokens}
-        raw = {"stats": stats, "prompt": prompt, "token_ids": list(result.token_ids), "usage": usage}
-        return CompletionResponse(text=text, delta=delta, additional_kwargs=stats, raw=raw)
+        usage = {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+                 "total_tokens": end.prompt_tokens + end.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+        return end.stats, {"stats": end.stats, "prompt": prompt, "token_ids": list(end.token_ids), "usage": usage}
 
     # ------------------------------------------------------ LlamaIndex API
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._generate(self._format_completion(prompt, formatted), kwargs)
+        return self._whole(self._completion_turn(prompt, formatted, kwargs), as_chat=False)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._generate_stream(self._format_completion(prompt, formatted), kwargs)
+        return self._stream(self._completion_turn(prompt, formatted, kwargs), as_chat=False)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt = self._render_messages(messages, kwargs)
-        return self._answered(prompt, _as_chat(self._generate(prompt, kwargs)), kwargs)
+        return self._whole(self._chat_turn(messages, kwargs), as_chat=True)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        prompt = self._render_messages(messages, kwargs)
-        return self._stream_chat(prompt, kwargs)
+        return self._stream(self._chat_turn(messages, kwargs), as_chat=True)
 
-    # Async: the engine runs on the scheduler's worker thread, so the event loop stays free.
+    # Async: the turn runs in a worker thread, so the event loop stays free.
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await self._agenerate(self._format_completion(prompt, formatted), kwargs)
+        return await self._awhole(self._completion_turn(prompt, formatted, kwargs), as_chat=False)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        prompt = self._format_completion(prompt, formatted)
-        return iterate_in_thread(lambda: self._generate_stream(prompt, kwargs))
+        turn = self._completion_turn(prompt, formatted, kwargs)
+        return iterate_in_thread(lambda: self._stream(turn, as_chat=False))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt = self._render_messages(messages, kwargs)
-        response = await self._agenerate(prompt, kwargs)
-        return self._answered(prompt, _as_chat(response), kwargs)
+        return await self._awhole(self._chat_turn(messages, kwargs), as_chat=True)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        prompt = self._render_messages(messages, kwargs)
+        turn = self._chat_turn(messages, kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
-            async for response in iterate_in_thread(lambda: self._stream_chat(prompt, kwargs)):
+            async for response in iterate_in_thread(lambda: self._stream(turn, as_chat=True)):
                 yield response
 
         return gen()
+
+
+class _Answer:
+    """An answer as its turn's events come: the thinking and text so far, the calls, the end."""
+
+    def __init__(self) -> None:
+        self.reasoning, self.text = "", ""
+        self.calls: List[ToolCall] = []
+        self.end: Optional[TurnEnd] = None
+
+    def add(self, event: TurnEvent) -> Optional[Tuple[str, str]]:
+        """Takes ``event`` in; a delta gives back (its thinking, its text), anything else None."""
+        if isinstance(event, ReasoningDelta):
+            self.reasoning += event.text
+            return event.text, ""
+        if isinstance(event, TextDelta):
+            self.text += event.text
+            return "", event.text
+        if isinstance(event, ToolCalls):
+            self.calls = list(event.calls)
+        elif isinstance(event, TurnEnd):
+            self.end = event
+        return None
+
+
+def _tool_choice(kwargs: Dict[str, Any]) -> Any:
+    """A call's ``tool_choice``, or "required" for ``tool_required`` (``_prepare_chat_with_tools``' form)."""
+    return kwargs.get("tool_choice") or ("required" if kwargs.get("tool_required") else None)
 
 
 def _answer_message(reasoning: str, text: str, calls: Sequence[ToolCall]) -> ChatMessage:
@@ -398,21 +403,6 @@ def _answer_message(reasoning: str, text: str, calls: Sequence[ToolCall]) -> Cha
     blocks.append(TextBlock(text=text))
     made = {"tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]} if calls else {}
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=made)
-
-
-def _thinking_delta(reasoning: str) -> Dict[str, Any]:
-    """A response's ``additional_kwargs`` entry for its thinking delta, where FunctionAgent's ``AgentStream``
-    and llama-index-llms-ollama put it."""
-    return {"thinking_delta": reasoning} if reasoning else {}
-
-
-def _as_chat(response: CompletionResponse) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
-        delta=response.delta,
-        additional_kwargs=response.additional_kwargs,
-        raw=response.raw,
-    )
 
 
 __all__ = ["CacheBlendLLM"]

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from llama_index.core.bridge.pydantic import Field, model_validator
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
-from cacheblend_rag.concurrency import run_in_thread
+from cacheblend_rag.serving import run_in_thread
 
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.postprocessor.cacheblend.nodes import node_chunk_text
@@ -37,6 +37,9 @@ class CacheBlendKVPrecompute(TransformComponent):
         if self.target and not self.llm.engine_attached:
             # Unpickled (IngestionPipeline's workers re-run __init__): the target came along, and the llm
             # loads its model when the transform first runs, not here.
+            return self
+        if self.llm.is_remote:  # the server's model and store (its key is no part of it)
+            self.target = f"server:{self.llm.base_url.rstrip('/')}#{self.llm.model}"
             return self
         cache = self.llm.chunk_cache
         store = self.llm.store_path or f"memory:{id(cache):x}"
