@@ -1,0 +1,179 @@
+"""``cacheblend-rag serve``: the OpenAI-compatible HTTP server (docs/serving.md).
+
+With no argument it serves the embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000, keeping chunk K/V
+in a disk store in the package's cache folder (``~/.cache/cacheblend-rag/chunks``), so a restarted server
+finds the chunks it computed before. The socket is bound first and one line says where it is
+(``serving NAME on http://HOST:PORT``, the real port with ``--port 0``); the model then loads and
+``GET /health`` answers 200 once it has answered a one-token request. SIGINT or SIGTERM stops accepting,
+lets the running requests finish (``--graceful-shutdown`` seconds), closes the scheduler and exits 0.
+
+Each BlendConfig field is a flag of its own (``--recompute-ratio 0.2``); only the flags given are set, so a
+saved calibration of the model (``cacheblend-rag calibrate``) still applies to the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import typing
+from typing import Any, Callable
+
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
+from cacheblend_rag.server.options import DEFAULT_GRACEFUL_SHUTDOWN_S, ServerConfig, default_store_path
+
+API_KEY_VARIABLE = "CACHEBLEND_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="serve a model over HTTP: OpenAI's chat completions, with documents",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                       help="the embedded SmolLM2-135M-Instruct (default), a catalog name (qwen2.5-coder-1.5b), a "
+                       "model folder, a .gguf file, a hub id, or tiny-<llama|mistral|qwen2|qwen3> (tests)")
+    serve.add_argument("--store", default=None, metavar="URL|PATH",
+                       help="where chunk K/V lives: a folder, memory, tiered:PATH[,SPEC] or redis://... "
+                       f"(default: {default_store_path()})")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on every request but /health (default: "
+                       f"${API_KEY_VARIABLE}, else none)")
+    serve.add_argument("--no-blend", action="store_true",
+                       help="answer every request by full prefill of its whole prompt (a baseline on the same server)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model's name in requests and responses (default: --model as given)")
+    serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                       help="requests that may wait beyond the running ones; one more gets 429 (default: 256)")
+    serve.add_argument("--kv-budget", default=None, metavar="SIZE",
+                       help="KV memory the running requests may hold together, e.g. 4GB (default: sized from the "
+                       "free memory)")
+    serve.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the loader's choice)")
+    serve.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda if available)")
+    serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                       help="largest request body accepted, 413 beyond (default: 64 bytes a token of the context "
+                       "window + 1 MiB)")
+    serve.add_argument("--max-tokens", type=int, default=None, metavar="N", dest="default_max_tokens",
+                       help="answer length when a request sets none (default: 256, or the room left in the window)")
+    serve.add_argument("--graceful-shutdown", type=int, default=DEFAULT_GRACEFUL_SHUTDOWN_S, metavar="S",
+                       help="seconds running requests get to finish on SIGINT/SIGTERM "
+                       f"(default: {DEFAULT_GRACEFUL_SHUTDOWN_S})")
+    serve.add_argument("--access-log", action="store_true", help="log one line per request (uvicorn's access log)")
+    _add_blend_flags(serve.add_argument_group("blend settings (default: the model's saved calibration, else "
+                                              "the built-in; each flag given overrides it)"))
+    serve.set_defaults(func=_cmd_serve)
+
+
+def _add_blend_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per BlendConfig field, typed from CacheBlendSettings' annotation, helped by its description."""
+    from cacheblend_rag.serving.arguments import BLEND_FIELDS
+    from cacheblend_rag.serving.settings import CacheBlendSettings
+
+    for name in BLEND_FIELDS:
+        info = CacheBlendSettings.model_fields[name]
+        flag = "--" + name.replace("_", "-")
+        kind, optional = _field_type(info.annotation)
+        help_text = (info.description or "").rstrip(".").replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=f"{help_text} (built-in: {info.default})")
+            continue
+        group.add_argument(flag, dest=name, type=_parser(kind, optional), default=argparse.SUPPRESS,
+                           metavar=kind.__name__.upper() + ("|none" if optional else ""),
+                           help=f"{help_text} (built-in: {info.default})")
+
+
+def _field_type(annotation: Any) -> tuple[type, bool]:
+    """``Optional[float]`` -> ``(float, True)``; ``int`` -> ``(int, False)``."""
+    args = typing.get_args(annotation)
+    if args and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return annotation, False
+
+
+def _parser(kind: type, optional: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if optional and text.lower() in ("none", "null"):
+            return None
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def _config(args: argparse.Namespace) -> ServerConfig:
+    from cacheblend_rag.serving.arguments import BLEND_FIELDS, checked_as_given
+
+    settings: dict[str, Any] = {name: getattr(args, name) for name in BLEND_FIELDS if hasattr(args, name)}
+    checked_as_given(settings)  # a bad value fails now, not after the socket is up and the model loaded
+    if args.no_blend:
+        settings["reuse_chunk_kv"] = False
+    for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),
+                        ("max_queued_requests", args.max_queued_requests)):
+        if value is not None:
+            settings[name] = value
+    http: dict[str, Any] = {}
+    if args.default_max_tokens is not None:
+        if args.default_max_tokens < 1:
+            raise ConfigError(f"--max-tokens {args.default_max_tokens} must be at least 1")
+        http["default_max_tokens"] = args.default_max_tokens
+    return ServerConfig(model=args.model, store=args.store or default_store_path(), settings=settings,
+                        served_model_name=args.served_model_name,
+                        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                        max_body_bytes=args.max_body_bytes, **http)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as exc:
+        print(f"cacheblend-rag serve needs {exc.name}: pip install 'cacheblend-rag[server]'", file=sys.stderr)
+        return 2
+    from cacheblend_rag.server.app import create_app
+    from cacheblend_rag.server.background import bind_socket, url_of, uvicorn_server
+
+    try:
+        config = _config(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"cacheblend-rag serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"cacheblend-rag serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    holder: list[Any] = []
+
+    def stop_on_failure(exc: BaseException) -> None:
+        if holder:
+            holder[0].should_exit = True
+
+    app = create_app(config, on_failure=stop_on_failure)
+    verbose = bool(getattr(args, "verbose", False)) or args.access_log
+    server = uvicorn_server(app, access_log=args.access_log, log_level="info" if verbose else "warning",
+                            graceful_shutdown_s=args.graceful_shutdown)
+    holder.append(server)
+    print(f"serving {config.name} on {url_of(sock)}", flush=True)
+    _quiet_after_shutdown()
+    server.run(sockets=[sock])
+    state = app.state.server
+    if state.error is not None:
+        print(f"cacheblend-rag serve: the model could not be loaded: {type(state.error).__name__}: {state.error}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _quiet_after_shutdown() -> None:
+    """uvicorn handles SIGINT/SIGTERM while it runs (a graceful shutdown) and, once done, raises the signal again
+    under the handlers it found; with these no-op handlers that ends nothing, so the command returns 0."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+
+
+__all__ = ["register"]
