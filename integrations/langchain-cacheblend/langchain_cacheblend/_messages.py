@@ -9,9 +9,7 @@ from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, Cha
                                      ToolMessage)
 from langchain_core.outputs import ChatGenerationChunk
 
-from cacheblend_rag.errors import BlendInputError
-from cacheblend_rag.serving.thinking import Thought
-from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
+from cacheblend_rag.serving import BlendInputError, assistant_turn, render_chat, tool_turn
 
 
 def _role(message: BaseMessage) -> str:
@@ -81,11 +79,11 @@ def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage], template_kwar
                        template_kwargs=template_kwargs)
 
 
-def text_chunk(shown: Thought) -> ChatGenerationChunk:
-    """A chunk of answer text, with its thinking in ``additional_kwargs["reasoning_content"]`` (as
+def text_chunk(text: str = "", reasoning: str = "") -> ChatGenerationChunk:
+    """A chunk of answer ``text``, or of thinking, in ``additional_kwargs["reasoning_content"]`` (as
     langchain-ollama streams it; the chunks' sum holds the whole reasoning there)."""
-    reasoning = {"reasoning_content": shown.reasoning} if shown.reasoning else {}
-    return ChatGenerationChunk(message=AIMessageChunk(content=shown.answer, additional_kwargs=reasoning))
+    extra = {"reasoning_content": reasoning} if reasoning else {}
+    return ChatGenerationChunk(message=AIMessageChunk(content=text, additional_kwargs=extra))
 
 
 def texts_of(items: Iterable[str | Document]) -> list[str]:

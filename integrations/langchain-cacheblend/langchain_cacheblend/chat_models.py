@@ -1,25 +1,26 @@
 """ChatCacheBlend: a LangChain chat model that answers with CacheBlend.
 
-How a call works:
+How a call works: the messages become one chat turn (:class:`cacheblend_rag.serving.ChatTurn`: the
+messages as chat-template dicts, the generation and blend settings, the bound tools, a response format,
+the timeout) and the serving layer answers it (:meth:`~cacheblend_rag.serving.CacheBlendSettings.run_turn`),
+yielding text, reasoning, tool calls and the turn's end, which become LangChain's chunks:
 
-1. The messages are rendered with the model's chat template into one prompt string.
-2. The core's serving layer (:class:`cacheblend_rag.serving.BlendService`, shared with the
-   LlamaIndex integration) finds the chunk texts this model was told about (by
-   :class:`~langchain_cacheblend.CacheBlendRetriever` or :meth:`ChatCacheBlend.warm`) verbatim,
-   looks them up in the chunk cache (computed on a miss), blends with selective recompute,
-   and decodes token by token. Where the tokenizer allows, the pieces keep the ids the whole
-   prompt tokenizes to, so a blend at ratio 1.0 reproduces the plain model exactly.
-
-With no known chunk in the prompt this is plain full prefill, so the model also
-works as an ordinary local chat model.
+* in process (the default), the turn is rendered with the model's chat template, the chunk texts this
+  model was told about (by :class:`~langchain_cacheblend.CacheBlendRetriever` or
+  :meth:`ChatCacheBlend.warm`) are found verbatim, looked up in the chunk cache (computed on a miss) and
+  blended with selective recompute, and the answer is decoded token by token. Where the tokenizer allows,
+  the pieces keep the ids the whole prompt tokenizes to, so a blend at ratio 1.0 reproduces the plain
+  model exactly. With no known chunk in the prompt this is plain full prefill, so the model also works
+  as an ordinary local chat model;
+* with ``base_url``, a running ``cacheblend-rag serve`` does the same, the announced chunk texts found in
+  the messages going to it as the request's documents; nothing is loaded here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from dataclasses import dataclass
+from contextlib import closing
 from typing import Any, AsyncIterator, Callable, ClassVar, Iterable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -36,17 +37,28 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
-from cacheblend_rag.concurrency import iterate_in_thread
-from cacheblend_rag.config import BlendConfig, GenerationConfig
-from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.serving import BLEND_FIELDS, SAMPLING_FIELDS, CacheBlendSettings, unknown_names_error
-from cacheblend_rag.serving.answer_stream import AnswerStream
-from cacheblend_rag.serving.tool_stream import ToolCallStream
-from cacheblend_rag.serving.tool_formats import tool_format
-from cacheblend_rag.serving.tools import chosen_tools, constrained, tool_functions
-from cacheblend_rag.store import WarmSummary
-from langchain_cacheblend._messages import render_prompt, text_chunk, texts_of
+from cacheblend_rag.serving import (
+    BLEND_FIELDS,
+    SAMPLING_FIELDS,
+    BlendConfig,
+    BlendInputError,
+    CacheBlendEngine,
+    CacheBlendSettings,
+    ChatTurn,
+    ConfigError,
+    GenerationConfig,
+    ReasoningDelta,
+    TextDelta,
+    ToolCalls,
+    TurnEnd,
+    WarmSummary,
+    chosen_tools,
+    iterate_in_thread,
+    thinks,
+    tool_functions,
+    unknown_names_error,
+)
+from langchain_cacheblend._messages import render_prompt, text_chunk, texts_of, to_chat_dicts
 from langchain_cacheblend._profile import model_profile
 from langchain_cacheblend._structured import json_structured_output
 from langchain_cacheblend._tool_results import tool_result_documents
@@ -56,20 +68,13 @@ logger = logging.getLogger(__name__)
 _GENERATION_OPTIONS = ("max_tokens", *SAMPLING_FIELDS)
 _CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model", "tools", "tool_choice",
                            "parallel_tool_calls", "response_format", "generate_kwargs", "pipeline_kwargs"})
-
-
-@dataclass
-class _CallSettings:
-    generation: GenerationConfig
-    blend: BlendConfig
-    timeout: float | None
-    tools: list[dict[str, Any]]  # the functions a call may use ([]: none)
-    tool_required: bool
-    parallel_tool_calls: bool  # False: only the first of several calls in one answer is kept
+# Calls of one batch() in flight at once against a server (base_url): its scheduler batches them there.
+_REMOTE_BATCH_CONCURRENCY = 8
 
 
 class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
-    """Local chat model that reuses precomputed KV caches of retrieved chunks (CacheBlend).
+    """Chat model that reuses precomputed KV caches of retrieved chunks (CacheBlend): in process, or
+    through a running ``cacheblend-rag serve`` (``base_url``).
 
     Setup:
         ``pip install -e .[langchain]`` in the cacheblend-rag repository (see its README).
@@ -85,6 +90,13 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             in memory. Chat models on the same engine and store share one chunk cache.
         device, dtype: where and in what precision to load the model.
         chat_template_kwargs: variables of the chat template (``{"enable_thinking": False}`` for Qwen3).
+
+    Key init args (server):
+        base_url: ``"http://host:port"`` of a running ``cacheblend-rag serve`` (with or without ``/v1``):
+            the model answers there, nothing is loaded here, and everything below works the same
+            (retrievers, tools, structured output, stats). ``model`` then names the served model
+            (unset: whichever it serves).
+        api_key: the server's key (else ``$CACHEBLEND_API_KEY``); a refused key raises ``PermissionError``.
 
     Key init args (blending):
         recompute_ratio, check_layer, selection, deviation, mask, profile_layers, profile_tokens, gate,
@@ -103,6 +115,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             from langchain_cacheblend import ChatCacheBlend, CacheBlendRetriever
 
             llm = ChatCacheBlend(recompute_ratio=0.15, max_tokens=64)
+            # or, against a server: ChatCacheBlend(base_url="http://127.0.0.1:8000", max_tokens=64)
             retriever = CacheBlendRetriever(retriever=vectorstore.as_retriever(), llm=llm)
 
     Invoke:
@@ -118,21 +131,21 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
     ``reused_tokens``, ``recomputed_tokens``, ``fresh_tokens``, ``cache_hits``,
     ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
     ``usage_metadata`` counts tokens, with ``input_token_details["cache_read"]`` the prompt
-    tokens whose cached KV was reused as is.
+    tokens whose K/V was reused from a cache rather than computed for this call.
 
-    ``api_key``, ``base_url`` and ``max_retries``, standard parameters of hosted models, are
-    accepted and ignored; any other unknown argument is an error.
+    ``max_retries``, a standard parameter of hosted models, is accepted and ignored; any other unknown
+    argument is an error.
     """
 
-    # Standard parameters of hosted models: accepted, and they mean nothing for a local model.
-    _ignored_init_args: ClassVar[frozenset[str]] = frozenset({"api_key", "base_url", "max_retries"})
+    # A standard parameter of hosted models: accepted, and it means nothing here (a call is not retried).
+    _ignored_init_args: ClassVar[frozenset[str]] = frozenset({"max_retries"})
 
     _max_tokens_field: ClassVar[str] = "max_tokens"
 
     max_tokens: int = 256
     stop: list[str] | None = None
     timeout: float | None = None
-    """Seconds one call may take, checked as tokens are decoded; a longer call raises ``TimeoutError``."""
+    """Seconds one call may take, from its submission to its answer's end; a longer call raises ``TimeoutError``."""
     streaming: bool = False
     """Generate through the streaming path on ``invoke`` too (token callbacks fire)."""
 
@@ -153,7 +166,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
-        return {"store_key": "CACHEBLEND_STORE_KEY"}
+        return {"store_key": "CACHEBLEND_STORE_KEY", "api_key": "CACHEBLEND_API_KEY"}
 
     @property
     def _llm_type(self) -> str:
@@ -163,6 +176,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            **({"base_url": self.base_url} if self.is_remote else {}),
             "store_path": self.store_path,
             **{name: getattr(self, name) for name in (*BLEND_FIELDS, *_GENERATION_OPTIONS)},
             "stop": self.stop,
@@ -170,9 +184,14 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         model = kwargs.get("model")
+        if not isinstance(model, str):
+            try:
+                model = self.served_model
+            except Exception:  # noqa: BLE001 (tracing never fails a call: the call itself says what is wrong)
+                model = self.model
         params = LangSmithParams(
             ls_provider="cacheblend",
-            ls_model_name=model if isinstance(model, str) else self.model,
+            ls_model_name=model,
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
         )
@@ -184,9 +203,21 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             params["ls_stop"] = stop
         return params
 
+    @property
+    def served_model(self) -> str:
+        """The name of the model that answers: ``model``, or, against a server given no ``model``, the one
+        it serves (``/v1/models``, asked once)."""
+        if not self.is_remote or self.remote.model is not None:
+            return self.model
+        return str(self.remote.model_info().get("id") or self.model)
+
     def _resolve_model_profile(self) -> ModelProfile | None:
-        # Run after the engine is loaded (CacheBlendSettings' validator comes first).
-        return model_profile(self.get_engine())
+        # Run after the engine is loaded (CacheBlendSettings' validator comes first). A server says its window;
+        # whether its model thinks is not known here.
+        if self.is_remote:
+            return model_profile(self.served_model, self.remote.context_window, None)
+        engine = self.get_engine()
+        return model_profile(engine.model_name, engine.context_window, thinks(engine.tokenizer))
 
     # ------------------------------------------------------------ token counts
     def get_token_ids(self, text: str) -> list[int]:
@@ -194,43 +225,61 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         wins where set. LangChain's default would fetch GPT-2's tokenizer from the hub."""
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        return self.get_engine().tokenize(text)
+        return self._local_engine("count tokens").tokenize(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage],
                                      tools: Sequence[dict[str, Any] | type | Callable | BaseTool] | None = None) -> int:
         """Tokens of the prompt ``messages`` become: rendered with the chat template, as a call renders them
         (the template's own tokens and the assistant's opening included), and with ``tools`` described as a
-        call with them bound describes them. What ``trim_messages(token_counter=llm)`` counts."""
+        call with them bound describes them. What ``trim_messages(token_counter=llm)`` counts. Against a
+        server (no chat template here) only with ``custom_get_token_ids``, message by message as LangChain
+        counts them."""
         if not messages:
             return 0
+        if self.is_remote and self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
+        engine = self._local_engine("count tokens")
         functions = tool_functions([convert_to_openai_tool(tool) for tool in tools or ()])
-        prompt = render_prompt(self.get_engine().tokenizer, messages, self.chat_template_kwargs, functions)
+        prompt = render_prompt(engine.tokenizer, messages, self.chat_template_kwargs, functions)
         return len(self.get_token_ids(prompt))
 
     # ------------------------------------------------------------------ engine
     def get_engine(self) -> CacheBlendEngine:
-        """The engine (shared with other chat models and LLMs naming the same model)."""
+        """The engine (shared with other chat models and LLMs naming the same model); in process only."""
+        if self.is_remote:
+            raise ConfigError(f"this ChatCacheBlend answers through the server at {self.base_url}: there is no "
+                              "engine in this process (the model is the server's); drop base_url to load it here")
         assert self.engine is not None
         return self.engine
+
+    def _local_engine(self, what: str) -> CacheBlendEngine:
+        if self.is_remote:
+            raise NotImplementedError(
+                f"ChatCacheBlend(base_url={self.base_url!r}) cannot {what}: the model and its tokenizer are the "
+                "server's, none is loaded here. Pass custom_get_token_ids= (the model's tokenizer's encode, e.g. "
+                "transformers.AutoTokenizer.from_pretrained(...).encode), read a call's usage_metadata"
+                "['input_tokens'], or drop base_url to load the model in process")
+        return self.get_engine()
 
     @property
     def known_chunk_texts(self) -> list[str]:
         """Chunk texts this model looks for in its prompts, oldest first."""
-        return self.service.announced.known()
+        return self.announced.known()
 
     def announce_chunks(self, texts: Iterable[str | Document]) -> None:
-        """Tell the model that coming prompts may contain these chunk texts verbatim."""
-        self.service.announce(texts_of(texts))
+        """Tell the model that coming prompts may contain these chunk texts verbatim (against a server:
+        those found in a call's messages go as its documents)."""
+        self.announced.announce(texts_of(texts))
 
     def forget_chunks(self) -> None:
         """Stop looking for any announced chunk text (cached KV stays in the chunk cache)."""
-        self.service.announced.clear()
+        self.announced.clear()
 
     def warm(self, items: Iterable[str | Document], *, show_progress: bool = True,
              for_request: bool = False) -> WarmSummary:
-        """Precompute the KV of chunks not yet cached, and announce them all. ``for_request`` (the
-        retriever's at query time): the coming call's stats count the chunks computed here as
-        ``precomputed_for_request`` rather than as store hits."""
+        """Precompute the KV of chunks not yet cached (against a server: in its store), and announce them all.
+        ``for_request`` (the retriever's at query time): the coming call's stats count the chunks computed
+        here as ``precomputed_for_request`` rather than as store hits (in process)."""
         texts = texts_of(items)
         summary = self.precompute_texts(texts, show_progress=show_progress, for_request=for_request)
         self.announce_chunks(texts)
@@ -239,12 +288,15 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
     def _announce_tool_results(self, messages: Sequence[BaseMessage]) -> None:
         """Agentic RAG: documents tool messages carry as their artifact (a retriever tool's with
         ``response_format="content_and_artifact"``) are chunks this call blends. The ones not announced yet
-        (a retriever tool without CacheBlendRetriever, a replayed conversation) are warmed, the store's
-        misses counted as ``precomputed_for_request``, and announced."""
+        (a retriever tool without CacheBlendRetriever, a replayed conversation) are announced: in process
+        warmed first, the store's misses counted as ``precomputed_for_request``; against a server they go
+        as the request's documents, which it finds in the tool messages (and computes on a miss)."""
         if not self.reuse_chunk_kv:
             return
-        texts = self.service.announced.unannounced(d.page_content for d in tool_result_documents(messages))
-        if texts:
+        texts = self.announced.unannounced(d.page_content for d in tool_result_documents(messages))
+        if texts and self.is_remote:
+            self.announce_chunks(texts)
+        elif texts:
             self.warm(texts, show_progress=False, for_request=True)
 
     # ---------------------------------------------------------------- settings
@@ -255,8 +307,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         return self.generation_config_with(options.get("max_tokens", self.max_tokens),
                                            stop if stop is not None else self.stop, options)
 
-    def _call_settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> _CallSettings:
-        # LangChain passes its own tracing keys (ls_*) and `stream` along with user options.
+    def _call_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's options, checked: LangChain passes its own tracing keys (ls_*) and `stream` along."""
         options = {k: v for k, v in kwargs.items() if not k.startswith("ls_") and k != "stream"}
         unknown = sorted(set(options) - _CALL_OPTIONS)
         if unknown:
@@ -267,14 +319,23 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
                 f"this ChatCacheBlend serves {self.model!r} and cannot switch to model={model!r} per call; "
                 f"create ChatCacheBlend(model={model!r}) instead"
             )
-        timeout = options.get("timeout", self.timeout)
-        if timeout is not None and timeout <= 0:
-            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds, or None")
-        tools, required = chosen_tools(tool_functions(options.get("tools") or []), options.get("tool_choice"))
-        generation = constrained(self._generation_config(options, stop), tools, required, options.get("response_format"),
-                                 tool_format(self.get_engine().tokenizer).arguments_key)
-        parallel = options.get("parallel_tool_calls") is not False
-        return _CallSettings(generation, self._blend_config(options), timeout, tools, required, parallel)
+        return options
+
+    def _turn(self, messages: Sequence[BaseMessage], stop: list[str] | None, options: dict[str, Any]) -> ChatTurn:
+        """The chat turn of one call: what the serving layer answers, in process or on the server."""
+        if not messages:
+            raise BlendInputError("no messages to answer; pass at least one message")
+        return ChatTurn(
+            generation=self._generation_config(options, stop),
+            messages=to_chat_dicts(messages),
+            tools=list(options.get("tools") or ()),
+            tool_choice=options.get("tool_choice"),
+            parallel_tool_calls=options.get("parallel_tool_calls") is not False,
+            response_format=options.get("response_format"),
+            timeout=options.get("timeout", self.timeout),
+            blend_options={k: v for k, v in options.items() if k in BLEND_FIELDS},
+            template_kwargs=self.chat_template_kwargs,
+        )
 
     # -------------------------------------------------------------- generation
     def _stream(
@@ -285,52 +346,37 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         # Token callbacks are fired by BaseChatModel for every chunk yielded here.
-        settings = self._call_settings(stop, kwargs)
-        started = time.perf_counter()
-        tokenizer = self.get_engine().tokenizer
+        options = self._call_options(kwargs)
         self._announce_tool_results(messages)
-        prompt = render_prompt(tokenizer, messages, self.chat_template_kwargs, settings.tools, settings.tool_required)
-        stream = self.service.stream(prompt, settings.generation, settings.blend, reuse=self.reuse_chunk_kv)
-        # A thinking model's thinking streams as reasoning_content; with tools bound, the answer after it is
-        # held only while it may still be a call.
-        calls = ToolCallStream.for_tokenizer(tokenizer, settings.tools, required=settings.tool_required,
-                                             parallel=settings.parallel_tool_calls) if settings.tools else None
-        answer = AnswerStream.for_prompt(tokenizer, prompt, calls)
-        try:
-            for delta in stream:
-                if settings.timeout is not None and time.perf_counter() - started > settings.timeout:
-                    raise TimeoutError(f"generation took longer than timeout={settings.timeout}s")
-                shown = answer.feed(delta)
-                if shown.reasoning or shown.answer:
-                    yield text_chunk(shown)
-            # The text has ended: what the answer held back (text that might have opened a call) goes out now,
-            # before the request's bookkeeping that result() waits for (its K/V kept for the next call, ~0.1 s
-            # for a 3,300-token prompt of Qwen2.5-Coder-1.5B on a 2-core CPU).
-            rest, call = answer.finish()
-            if rest.reasoning or rest.answer:
-                yield text_chunk(rest)
-            if call is not None:  # every call of the answer, in order (parallel calls)
-                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
-                    ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
-                    for i, c in enumerate(calls.calls)]))
-            served = stream.result()
-        finally:
-            stream.close()
-        result = served.result
+        turn = self._turn(messages, stop, options)
+        # Text streams as it can be shown (held only while it may still open a tool call), a thinking model's
+        # thinking as reasoning_content; the calls come whole once the text has ended, before the request's
+        # bookkeeping; the turn's end carries the counts and stats. Leaving early cancels the request.
+        with closing(self.run_turn(turn)) as events:
+            for event in events:
+                if isinstance(event, TextDelta):
+                    yield text_chunk(event.text)
+                elif isinstance(event, ReasoningDelta):
+                    yield text_chunk(reasoning=event.text)
+                elif isinstance(event, ToolCalls):  # every call of the answer, in order (parallel calls)
+                    yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                        ToolCallChunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+                        for i, c in enumerate(event.calls)]))
+                elif isinstance(event, TurnEnd):
+                    yield self._last_chunk(event)
+
+    def _last_chunk(self, end: TurnEnd) -> ChatGenerationChunk:
         usage = UsageMetadata(
-            input_tokens=result.prompt_tokens,
-            output_tokens=result.completion_tokens,
-            total_tokens=result.prompt_tokens + result.completion_tokens,
-            input_token_details=InputTokenDetails(cache_read=result.stats.reused_tokens),
+            input_tokens=end.prompt_tokens,
+            output_tokens=end.completion_tokens,
+            total_tokens=end.prompt_tokens + end.completion_tokens,
+            input_token_details=InputTokenDetails(cache_read=end.cached_tokens),
         )
         # The stats under one key, beside LangChain's own (finish_reason comes from generation_info).
-        stats = {**self.stats_of(served), **(calls.stats() if calls is not None else {})}
-        metadata = {"model_name": self.model, "model_provider": "cacheblend", "cacheblend": stats}
-        yield ChatGenerationChunk(
-            message=AIMessageChunk(
-                content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"
-            ),
-            generation_info={"finish_reason": result.finish_reason},
+        metadata = {"model_name": self.served_model, "model_provider": "cacheblend", "cacheblend": end.stats}
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"),
+            generation_info={"finish_reason": end.finish_reason},
         )
 
     def _generate(
@@ -350,8 +396,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        # The engine computes on a worker thread so the event loop stays free. Leaving early
-        # stops the decode at its next token.
+        # The engine (or the server's client) works on a worker thread so the event loop stays free. Leaving
+        # early stops the decode at its next token.
         async for chunk in iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs)):
             yield chunk
 
@@ -361,9 +407,11 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
     ) -> list[AIMessage]:
         """``invoke`` on every input at once. Runnable's default runs at most ``min(32, cores + 4)`` calls
         at a time (6 on two cores); the engine's scheduler decodes whatever is in flight as one batch, so
-        unless ``max_concurrency`` says otherwise, up to twice its batch size are in flight."""
+        unless ``max_concurrency`` says otherwise, up to twice its batch size are in flight (against a
+        server, 8: its scheduler batches them there)."""
         configs = get_config_list(config, len(inputs))
-        in_flight = min(len(inputs), 2 * self.service.scheduler.config.max_batch_size) or None
+        most = _REMOTE_BATCH_CONCURRENCY if self.is_remote else 2 * self.service.scheduler.config.max_batch_size
+        in_flight = min(len(inputs), most) or None
         configs = [c if c.get("max_concurrency") else {**c, "max_concurrency": in_flight} for c in configs]
         return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 

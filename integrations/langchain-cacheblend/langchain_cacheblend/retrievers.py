@@ -10,8 +10,7 @@ from langchain_core.retrievers import BaseRetriever, RetrieverLike
 from langchain_core.vectorstores import VectorStoreRetriever
 from pydantic import ConfigDict, Field
 
-from cacheblend_rag.concurrency import run_in_thread
-from cacheblend_rag.store import WarmSummary
+from cacheblend_rag.serving import WarmSummary, run_in_thread
 from langchain_cacheblend.chat_models import ChatCacheBlend
 
 

@@ -5,6 +5,9 @@ Capabilities ChatCacheBlend does not have are declared through the suites' prope
 matching tests skip with LangChain's own reasons: text-only inputs, no per-call model switching, no
 VCR cassettes (there are no HTTP calls to record), no environment-variable setup.
 
+``TestChatCacheBlendRemote`` runs the integration suite, with the same settings and expected failures, against
+``ChatCacheBlend(base_url=...)``: a real ``cacheblend-rag serve`` of the tiny random Qwen2 in a subprocess.
+
 Tool calling, structured output and JSON mode are declared everywhere. Decoding is constrained to a
 valid call (or the schema's JSON), so even the random tiny model makes calls that parse, and the suite's
 tool and structured-output tests run on it; the four that check what a call says (``magic_function(3)``
@@ -17,7 +20,7 @@ make).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -134,6 +137,24 @@ class TestChatCacheBlendIntegration(_CacheBlendSuiteSettings, ChatModelIntegrati
             message = llm.invoke(messages)
         assert message.usage_metadata["input_token_details"]["cache_read"] > 0
         return message
+
+
+class TestChatCacheBlendRemote(TestChatCacheBlendIntegration):
+    """The same suite, settings and expected failures against ``ChatCacheBlend(base_url=...)``: a real
+    ``cacheblend-rag serve`` of the tiny random Qwen2 (tests/conftest.py), once for this module."""
+
+    base_url: ClassVar[str] = ""
+    api_key: ClassVar[str] = ""
+
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def _served(cls, cacheblend_server: Any) -> None:
+        cls.base_url, cls.api_key = cacheblend_server.base_url, cacheblend_server.api_key
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # The model is the server's; the one argument that moves an app there, and its key.
+        return {"base_url": self.base_url, "api_key": self.api_key, "max_tokens": 64}
 
 
 @pytest.mark.slow

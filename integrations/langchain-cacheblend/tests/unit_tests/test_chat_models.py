@@ -70,6 +70,8 @@ def test_warmed_chunks_are_blended_and_counted(engine) -> None:
     assert meta["reused_tokens"] == meta["cached_tokens"] - meta["recomputed_tokens"]
     again = llm.invoke(_messages())  # its lead now comes from the prefix cache too
     again_stats = again.response_metadata["cacheblend"]
+    # Every cached token was read from a cache (the store, the prefix cache): cache_read is all those kept as is.
+    assert again_stats["loaded_tokens"] == again_stats["cached_tokens"]
     assert again.usage_metadata["input_token_details"]["cache_read"] == again_stats["reused_tokens"]
     assert again_stats["reused_tokens"] >= meta["reused_tokens"]
 
@@ -79,11 +81,16 @@ def test_announced_but_uncached_chunks_are_computed_on_the_fly(engine) -> None:
     # request's approximate blocks), not as chunks read from the store.
     llm = ChatCacheBlend(engine=tiny_engine("llama"), max_tokens=4, prefix_cache_bytes=0)
     llm.announce_chunks(CHUNKS)
-    first = llm.invoke(_messages()).response_metadata["cacheblend"]
+    first_message = llm.invoke(_messages())
+    first = first_message.response_metadata["cacheblend"]
     assert first["cache_misses"] == 2 and first["cache_hits"] == 0
+    # The chunks' K/V was computed for this call, not read: blended (reused_tokens), yet no cache read.
+    assert first["reused_tokens"] > 0 and first_message.usage_metadata["input_token_details"]["cache_read"] == 0
     llm.chunk_cache.flush()  # the missed chunks are written back on a writer thread
-    second = llm.invoke(_messages()).response_metadata["cacheblend"]
+    second_message = llm.invoke(_messages())
+    second = second_message.response_metadata["cacheblend"]
     assert second["cache_hits"] == 2 and second["cache_misses"] == 0
+    assert second_message.usage_metadata["input_token_details"]["cache_read"] == second["reused_tokens"] > 0
 
 
 def test_ratio_one_equals_the_plain_model(engine) -> None:
@@ -208,7 +215,8 @@ def test_bad_arguments_say_what_to_fix(engine) -> None:
         ChatCacheBlend(model="tiny-gpt9").invoke("Hello")
     with pytest.raises(TimeoutError):
         ChatCacheBlend(engine=engine, max_tokens=500, timeout=1e-6).invoke("Hello")
-    # Standard LangChain parameters of hosted models are accepted and have no effect.
+    # max_retries, a standard parameter of hosted models, is accepted and has no effect; api_key is the
+    # server's (with base_url), unused in process.
     ChatCacheBlend(engine=engine, api_key="unused", max_retries=2)
 
 
