@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "tests/examples/test_llamaindex_notebook.py::test_notebook_runs",
     "tests/examples/test_langchain_notebook.py::test_notebook_runs",
     "tests/bench/test_gpu_check.py::test_every_step_runs_on_tiny_models_on_the_cpu",
+    "tests/server/test_server_smollm2.py::",  # a SmolLM2 server in a subprocess and the same turns in process
     "integrations/langchain-cacheblend/tests/integration_tests/test_standard.py::TestChatCacheBlendSmolLM2",
 )
 
