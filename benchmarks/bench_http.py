@@ -12,7 +12,7 @@ computed whole, in the dtype the server picked: bfloat16 where the CPU is faster
 pasted where our server renders documents (``chat_turn.render_documents``), requests interrupting none.
 
 Client-side TTFT: from sending the request to the first streamed content chunk. For each client count the
-three servers take turns (the order rotating per count), each answering ``--requests`` requests of
+three servers take turns (the order rotating per count), each answering ``--requests`` requests (at least one per client) of
 ``--max-tokens`` greedy tokens from that many concurrent clients; requests per second over that wall time.
 At 1 client the in-process path (``run_turn`` on this process's own engine, the same model and warmed
 passages) alternates with the HTTP one, request by request: what the HTTP layer costs.
@@ -54,8 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--n", type=int, default=16, help="MuSiQue questions (the first N)")
     p.add_argument("--passages", type=int, default=10)
+    p.add_argument("--max-passage-tokens", type=int, default=200,
+                   help="passages cut to this many tokens (the harness's 2,100-token prompts; 0: whole)")
     p.add_argument("--clients", default="1,4,8,16", help="comma-separated concurrent client counts")
-    p.add_argument("--requests", type=int, default=16, help="requests per client count and server")
+    p.add_argument("--requests", type=int, default=8,
+                   help="requests per client count and server (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch / llama.cpp threads of each server")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
@@ -70,12 +73,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------- the prompts
-def requests_for(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Document]]:
+def requests_for(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str, Any]], list[Document]]:
     """One request body per (question, shuffle): messages and documents; and every passage, for the warm-up."""
     examples = load_musique(args.data, args.n)
     bodies, corpus = [], {}
+
+    def cut(text: str) -> str:
+        if not args.max_passage_tokens:
+            return text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_passage_tokens]
+        return tokenizer.decode(ids).strip()
+
     for i, example in enumerate(examples):
-        docs = [Document(text, title) for title, text in example.passages[: args.passages]]
+        docs = [Document(cut(text), title) for title, text in example.passages[: args.passages]]
         for d in docs:
             corpus[d.text] = d
         bodies.append({"question": example.question, "documents": docs, "seed": i})
@@ -225,12 +235,15 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     ttfts = [r["ttft_s"] for r in ok]
+    served = [r["server_ttft_s"] for r in ok if r.get("server_ttft_s") is not None]
     cached = [((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") for r in ok]
     out = {"requests": len(results), "errors": len(results) - len(ok), "wall_s": round(wall, 3),
            "requests_per_s": round(len(ok) / wall, 3) if wall else None}
     if ttfts:
         out.update(ttft_p50_s=round(statistics.median(ttfts), 4), ttft_p99_s=round(percentile(ttfts, 0.99), 4),
                    ttft_mean_s=round(statistics.fmean(ttfts), 4))
+    if served:
+        out["server_ttft_p50_s"] = round(statistics.median(served), 4)
     if any(c is not None for c in cached):
         out["cached_tokens_mean"] = round(statistics.fmean(c or 0 for c in cached), 1)
     prompt = [(r.get("usage") or {}).get("prompt_tokens") for r in ok if r.get("usage")]
@@ -242,12 +255,12 @@ def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- in process
-def in_process_vs_http(url: str, items: list[dict[str, Any]], corpus: list[Document], args: argparse.Namespace
-                       ) -> dict[str, Any]:
-    """At one client: the same turns through the server and in this process, alternating request by request."""
-    from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, TextDelta
+def in_process_vs_http(settings: Any, url: str, items: list[dict[str, Any]], corpus: list[Document],
+                       args: argparse.Namespace) -> dict[str, Any]:
+    """At one client: the same turns through the server and in this process (``settings``: the same model, its
+    chunk KV in memory), alternating request by request."""
+    from cacheblend_rag.serving import ChatTurn, TextDelta
 
-    settings = CacheBlendSettings(store_path="memory")
     settings.precompute_texts([d.text for d in corpus], show_progress=False, for_request=False)
     generation = settings.generation_config_with(args.max_tokens, None, {"temperature": 0})
     rows = {"http": [], "in_process": []}
@@ -268,8 +281,10 @@ def in_process_vs_http(url: str, items: list[dict[str, Any]], corpus: list[Docum
                 total = time.perf_counter() - started
                 rows["in_process"].append({"ttft_s": ttft if ttft is not None else total, "total_s": total})
     http = statistics.median(r["ttft_s"] for r in rows["http"] if "error" not in r)
+    served = statistics.median(r["server_ttft_s"] for r in rows["http"] if r.get("server_ttft_s") is not None)
     local = statistics.median(r["ttft_s"] for r in rows["in_process"])
     return {"requests_each": len(rows["in_process"]), "http_ttft_p50_s": round(http, 4),
+            "http_server_side_ttft_p50_s": round(served, 4),
             "in_process_ttft_p50_s": round(local, 4), "http_over_in_process": round(http / local, 4),
             "errors": sum(1 for r in rows["http"] if "error" in r)}
 
@@ -277,7 +292,10 @@ def in_process_vs_http(url: str, items: list[dict[str, Any]], corpus: list[Docum
 # ------------------------------------------------------------------------------------------- the run
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    items, corpus = requests_for(args)
+    from cacheblend_rag.serving import CacheBlendSettings
+
+    local = CacheBlendSettings(store_path="memory")  # the in-process side, and the tokenizer that cuts passages
+    items, corpus = requests_for(args, local.service.engine.tokenizer)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_http_{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -301,14 +319,15 @@ def main(argv: list[str] | None = None) -> int:
                                                        int(report["model"].get("max_model_len") or 8192),
                                                        logs / "llama_cpp.log")
                 report["llama_cpp_gguf"] = str(default_gguf_path())
-        report["in_process_at_1_client"] = in_process_vs_http(url, items[: max(1, args.requests // 2)], corpus, args)
+        report["in_process_at_1_client"] = in_process_vs_http(local, url, items[: max(1, args.requests // 2)], corpus,
+                                                              args)
         modes = ["blend", "full_prefill", *(["llama.cpp"] if "llama.cpp" in servers else [])]
         levels = []
         for level, clients in enumerate(args.client_counts):
             row: dict[str, Any] = {"clients": clients}
             for turn in range(len(modes)):
                 mode = modes[(level + turn) % len(modes)]
-                picked = [items[i % len(items)] for i in range(args.requests)]
+                picked = [items[i % len(items)] for i in range(max(args.requests, clients))]
                 salt = 100 * (level + 1)
                 if mode == "llama.cpp":
                     bodies = [llama_body(it, shuffled(it, salt + i), args.max_tokens) for i, it in enumerate(picked)]

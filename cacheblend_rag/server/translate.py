@@ -243,7 +243,7 @@ def prepare_turn(state: ServerState, request: ChatCompletionRequest) -> ChatTurn
                     tools=request.tools or [], tool_choice=request.tool_choice,
                     parallel_tool_calls=request.parallel_tool_calls is not False, response_format=response_format,
                     timeout=timeout, cache_salt=request.cache_salt or None, blend_options=overrides, reuse=reuse,
-                    template_kwargs=template_kwargs)
+                    template_kwargs=template_kwargs, look_for_announced=False)
     try:
         prompt = render_turn(settings.service.engine.tokenizer, turn, functions, required,
                              settings.chat_template_kwargs if template_kwargs is None else template_kwargs)
@@ -257,7 +257,8 @@ def prepare_turn(state: ServerState, request: ChatCompletionRequest) -> ChatTurn
         constrained(generation, functions, required, response_format)
     except ValueError as exc:
         raise APIError.bad(str(exc), param="response_format") from None
-    return replace(turn, generation=generation)
+    # The prompt rendered here for the window check is the one run_turn would render: it is handed on as is.
+    return replace(turn, generation=generation, prompt=prompt, messages=None)
 
 
 __all__ = ["CACHEBLEND_KEYS", "cacheblend_options", "chat_message", "prepare_turn", "refuse_unhonoured",

@@ -83,6 +83,9 @@ class ChatTurn:
     blend_options: Mapping[str, Any] = field(default_factory=dict)  # BlendConfig fields for this turn
     reuse: bool | None = None  # None: the settings' reuse_chunk_kv
     template_kwargs: Mapping[str, Any] | None = None  # None: the settings' chat_template_kwargs
+    # Without documents, look for the chunk texts announced to the service (the in-process retrievers'); a
+    # server's requests bring their own or none (False), and other requests' announcements are not theirs.
+    look_for_announced: bool = True
 
     def document_list(self) -> list[Document]:
         return [Document.of(d, i) for i, d in enumerate(self.documents)]
@@ -181,7 +184,8 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
     reuse = settings.reuse_chunk_kv if turn.reuse is None else turn.reuse
     template_kwargs = settings.chat_template_kwargs if turn.template_kwargs is None else turn.template_kwargs
     prompt = render_turn(tokenizer, turn, functions, required, template_kwargs)
-    documents = [t for t in (chunk_text(d.text) for d in turn.document_list()) if t] or None
+    documents = [t for t in (chunk_text(d.text) for d in turn.document_list()) if t]
+    documents = documents or (None if turn.look_for_announced else [])
     stream = service.stream(prompt, generation, blend, reuse=reuse, chunks=documents, salt=turn.cache_salt or "")
     if turn.timeout is not None:
         stream.deadline = started + turn.timeout

@@ -33,6 +33,10 @@ from cacheblend_rag.serving.tools import ToolCall
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
              "repetition_penalty": "repetition_penalty", "seed": "seed", "min_new_tokens": "min_tokens"}
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+# The server's error codes (docs/serving.md) as the status it answers them with before a stream begins.
+_STATUS_OF_CODE = {"context_length_exceeded": 400, "kv_budget_exceeded": 400, "chat_template_error": 400,
+                   "invalid_api_key": 401, "model_not_found": 404, "queue_full": 429, "model_loading": 503,
+                   "cancelled": 503, "timeout": 504}
 
 
 class RemoteServerError(CacheBlendError, RuntimeError):
@@ -241,8 +245,9 @@ def _events(lines: Iterator[str], started: float) -> Iterator[TurnEvent]:
         if data == "[DONE]":
             break
         chunk = json.loads(data)
-        if "error" in chunk:
-            raise _error(int(chunk["error"].get("status") or 500) if isinstance(chunk["error"], dict) else 500, chunk)
+        if "error" in chunk:  # after the stream began: the error body alone, its code says what it was
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+            raise _error(_STATUS_OF_CODE.get(error.get("code"), 500), chunk)
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):

@@ -167,8 +167,13 @@ class BlendService:
         split = split_prompt(prompt, known)
         segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
         found = set(split.found)
-        reason = None if split.found else self._no_reuse(prompt, sum(len(s.token_ids) for s in segments), known,
-                                                         latest)
+        if split.found:
+            reason = None
+        elif chunks is not None and not chunks:  # a request that brings its own documents brought none
+            reason = ("the request brought no documents: send the retrieved chunks as `documents` (each one chunk) "
+                      "to reuse their K/V")
+        else:
+            reason = self._no_reuse(prompt, sum(len(s.token_ids) for s in segments), known, latest)
         approximate = bool(split.found) and blend is not None and blend.recompute_ratio < 1.0
         spans = self._spans_after_chunks(segments)
         # Once per request: checking the weights' stamp walks every parameter, and a chat's prompt
