@@ -1,5 +1,5 @@
 """CacheBlendLLM(base_url=...) against a real ``cacheblend-rag serve`` (a tiny random Qwen2, chunk K/V in
-memory), started once for the module as a subprocess on a free port: complete, chat and their streaming and
+memory), started once for the module in a thread of this process on a free port: complete, chat and their streaming and
 async forms with the server's stats, token usage as TokenCountingHandler reads it, tools and structured output,
 the model's metadata, a key kept out of every dump, and a wrong key refused. Nothing is loaded here."""
 
@@ -7,14 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pickle
-import queue
-import re
-import subprocess
-import sys
-import threading
-import time
 from typing import Iterator
 
 import httpx
@@ -31,49 +24,13 @@ KEY = "test-key-not-a-secret"
 QUESTION = [ChatMessage(role="user", content="What is the capital of France?")]
 
 
-def start_server(key: str, timeout: float = 240.0) -> Iterator[str]:
-    """``cacheblend-rag serve`` on a free port, its URL once ``/health`` answers 200; stopped by its own pid."""
-    env = {k: v for k, v in os.environ.items() if k != "CACHEBLEND_API_KEY"}
-    env["PYTHONUNBUFFERED"] = "1"
-    command = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--model", "tiny-qwen2", "--port", "0",
-               "--store", "memory", "--api-key", key]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: "queue.Queue[str]" = queue.Queue()
-    output: list[str] = []
+def start_server(key: str) -> Iterator[str]:
+    """The server's app of the tiny Qwen2 (chunk K/V in memory) taking ``key``, on uvicorn in a thread of this
+    process on a free port (``cacheblend_rag.server.testing.running_server``); its URL once ``/health`` answers 200."""
+    from cacheblend_rag.server.testing import running_server
 
-    def drain() -> None:  # reads every line, so the server never blocks on a full pipe
-        for line in proc.stdout:
-            output.append(line)
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        deadline, url = time.monotonic() + timeout, None
-        while url is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start (exit {proc.poll()}):\n{''.join(output)}")
-            try:
-                found = re.search(r"serving \S+ on (http://\S+)", lines.get(timeout=1.0))
-            except queue.Empty:
-                continue
-            url = found.group(1) if found else None
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server at {url} never became healthy (exit {proc.poll()}):\n{''.join(output)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with running_server("tiny-qwen2", api_key=key) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
