@@ -10,7 +10,6 @@ import json
 import pickle
 from typing import Iterator
 
-import httpx
 import pytest
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.llms import ChatMessage
@@ -24,20 +23,14 @@ KEY = "test-key-not-a-secret"
 QUESTION = [ChatMessage(role="user", content="What is the capital of France?")]
 
 
-def start_server(key: str) -> Iterator[str]:
-    """The server's app of the tiny Qwen2 (chunk K/V in memory) taking ``key``, on uvicorn in a thread of this
-    process on a free port (``cacheblend_rag.server.testing.running_server``); its URL once ``/health`` answers 200."""
-    from cacheblend_rag.server.testing import running_server
-
-    with running_server("tiny-qwen2", api_key=key) as server:
-        yield server.url
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    for needed in ("fastapi", "uvicorn"):  # the server's extra: pip install "cacheblend-rag[server]"
-        pytest.importorskip(needed, reason="`cacheblend-rag serve` needs the [server] extra")
-    yield from start_server(KEY)
+    """The server's app of the tiny Qwen2 (chunk K/V in memory) taking KEY, in a thread of this process."""
+    pytest.importorskip("uvicorn", reason="`cacheblend-rag serve` needs the [server] extra")
+    from cacheblend_rag.server.testing import running_server
+
+    with running_server("tiny-qwen2", api_key=KEY) as running:
+        yield running.url
 
 
 @pytest.fixture

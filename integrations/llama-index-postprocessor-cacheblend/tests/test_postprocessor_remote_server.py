@@ -6,14 +6,10 @@ CacheBlendKVPrecompute at ingestion, and a FunctionAgent over cacheblend_retriev
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import re
 from typing import Any, Iterator, List
 
-import httpx
 import pytest
 from llama_index.core import Document, PromptTemplate, VectorStoreIndex
-from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -23,6 +19,7 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.llms.cacheblend import CacheBlendLLM
+from test_postprocessor_cacheblend import HashEmbedding  # the package tests' offline embedding
 from llama_index.postprocessor.cacheblend import (
     CacheBlendKVPrecompute,
     CacheBlendNodePostprocessor,
@@ -37,40 +34,14 @@ PASSAGES = [
 ]
 
 
-def start_server(key: str) -> Iterator[str]:
-    """The server's app of the tiny Qwen2 (chunk K/V in memory) taking ``key``, on uvicorn in a thread of this
-    process on a free port (``cacheblend_rag.server.testing.running_server``); its URL once ``/health`` answers 200."""
-    from cacheblend_rag.server.testing import running_server
-
-    with running_server("tiny-qwen2", api_key=key) as server:
-        yield server.url
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    for needed in ("fastapi", "uvicorn"):  # the server's extra: pip install "cacheblend-rag[server]"
-        pytest.importorskip(needed, reason="`cacheblend-rag serve` needs the [server] extra")
-    yield from start_server(KEY)
+    """The server's app of the tiny Qwen2 (chunk K/V in memory) taking KEY, in a thread of this process."""
+    pytest.importorskip("uvicorn", reason="`cacheblend-rag serve` needs the [server] extra")
+    from cacheblend_rag.server.testing import running_server
 
-
-class HashEmbedding(BaseEmbedding):
-    """Bag of words hashed into 64 buckets: deterministic, offline, instant."""
-
-    def _vector(self, text: str) -> List[float]:
-        vector = [0.0] * 64
-        for word in re.findall(r"[a-z]+", text.lower()):
-            vector[int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little") % 64] += 1.0
-        norm = sum(v * v for v in vector) ** 0.5 or 1.0
-        return [v / norm for v in vector]
-
-    def _get_text_embedding(self, text: str) -> List[float]:
-        return self._vector(text)
-
-    def _get_query_embedding(self, query: str) -> List[float]:
-        return self._vector(query)
-
-    async def _aget_query_embedding(self, query: str) -> List[float]:
-        return self._vector(query)
+    with running_server("tiny-qwen2", api_key=KEY) as running:
+        yield running.url
 
 
 def test_a_query_engine_blends_the_nodes_in_the_server(server: str) -> None:
