@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar, Dict, Iterator, Optional, Union
 
 from pydantic import ByteSize, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
