@@ -46,6 +46,7 @@ from cacheblend_rag.bench.prompt import QUESTION_INSTRUCTION, SYSTEM_INSTRUCTION
 from cacheblend_rag.bench.report import print_report  # noqa: E402
 from cacheblend_rag.models.dtype_choice import cpu_model_name  # noqa: E402
 from cacheblend_rag.serving.chat_turn import Document, render_documents  # noqa: E402
+from cacheblend_rag.serving.remote import sse_chunks  # noqa: E402
 
 
 
@@ -180,13 +181,7 @@ def stream_request(client: httpx.Client, url: str, body: dict[str, Any]) -> dict
         if response.status_code != 200:
             response.read()
             return {"error": f"{response.status_code}: {response.text[:300]}"}
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in sse_chunks(response.iter_lines()):
             if "error" in chunk:
                 return {"error": json.dumps(chunk["error"])[:300]}
             for choice in chunk.get("choices") or ():

@@ -145,8 +145,10 @@ def _with_documents(chat: list[dict[str, Any]], documents: Sequence[Document]) -
     return [*chat, {"role": "user", "content": block}]
 
 
-def _in_messages(text: str, chat: Sequence[Mapping[str, Any]]) -> bool:
-    return any(isinstance(m.get("content"), str) and text in m["content"] for m in chat)
+def appears_in(text: str, turn: ChatTurn) -> bool:
+    """Whether ``text`` stands verbatim in one of ``turn``'s messages (or in its rendered prompt)."""
+    contents = [m.get("content") for m in turn.messages or ()] + [turn.prompt]
+    return any(isinstance(content, str) and text in content for content in contents)
 
 
 def render_turn(tokenizer: Any, turn: ChatTurn, functions: list[dict[str, Any]], required: bool,
@@ -159,7 +161,7 @@ def render_turn(tokenizer: Any, turn: ChatTurn, functions: list[dict[str, Any]],
     if not turn.messages:
         raise BlendInputError("no messages to answer; pass at least one message")
     chat = [dict(m) for m in turn.messages]
-    missing = [d for d in turn.document_list() if not _in_messages(d.text, chat)]
+    missing = [d for d in turn.document_list() if not appears_in(d.text, turn)]
     kwargs = dict(template_kwargs)
     if missing and template_takes_documents(tokenizer):
         kwargs["documents"] = [{"title": d.title or "", "text": d.text} for d in missing]
@@ -224,5 +226,5 @@ def _deltas(reasoning: str, text: str) -> Iterator[TurnEvent]:
         yield TextDelta(text)
 
 
-__all__ = ["ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent",
+__all__ = ["appears_in", "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent",
            "cached_tokens", "render_documents", "render_turn", "run_turn", "template_takes_documents"]

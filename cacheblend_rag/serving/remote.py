@@ -16,7 +16,6 @@ a refused key as ``PermissionError``; an unreachable server as ``ConnectionError
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import fields
 from typing import Any, Iterator, Mapping, Sequence
@@ -215,13 +214,12 @@ class RemoteChat:
         """``turn`` answered by the server, as the events :func:`run_turn` yields in process; closing the
         generator early closes the connection, which cancels the request there."""
         body = request_body(turn, self.model, blend_options or {})
-        started = time.perf_counter()
         try:
             with self._client.stream("POST", "/chat/completions", json=body) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise _error(response.status_code, _json_or_text(response), response.headers)
-                yield from _events(response.iter_lines(), started)
+                yield from _events(response.iter_lines())
         except httpx.TimeoutException as error:
             raise TimeoutError(f"the server at {self.base_url} sent nothing in time: {error}") from error
         except httpx.TransportError as error:
@@ -235,16 +233,21 @@ def _json_or_text(response: httpx.Response) -> Any:
         return response.text
 
 
-def _events(lines: Iterator[str], started: float) -> Iterator[TurnEvent]:
-    """Server-sent chunks as turn events; the usage chunk (choices empty) becomes the TurnEnd."""
-    finish, calls = "stop", {}
+def sse_chunks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a chat completion's Server-Sent Events (``data: {...}`` lines), up to ``[DONE]``."""
     for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+            return
+        yield json.loads(data)
+
+
+def _events(lines: Iterator[str]) -> Iterator[TurnEvent]:
+    """Server-sent chunks as turn events; the usage chunk (choices empty) becomes the TurnEnd."""
+    finish, calls = "stop", {}
+    for chunk in sse_chunks(lines):
         if "error" in chunk:  # after the stream began: the error body alone, its code says what it was
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             raise _error(_STATUS_OF_CODE.get(error.get("code"), 500), chunk)
@@ -290,4 +293,4 @@ def _tool_call(held: Mapping[str, Any]) -> ToolCall:
     return ToolCall(held["name"], arguments, held["id"] or f"call_{uuid.uuid4().hex[:24]}")
 
 
-__all__ = ["RemoteChat", "RemoteServerError", "request_body"]
+__all__ = ["RemoteChat", "RemoteServerError", "request_body", "sse_chunks"]

@@ -39,7 +39,7 @@ from cacheblend_rag.serving.arguments import (
     unknown_names_error,
     with_generate_kwargs,
 )
-from cacheblend_rag.serving.chat_turn import ChatTurn, TurnEvent, run_turn
+from cacheblend_rag.serving.chat_turn import ChatTurn, TurnEvent, appears_in, run_turn
 from cacheblend_rag.serving.chunks import AnnouncedChunks
 from cacheblend_rag.serving.pickling import PicklesWithoutEngine
 from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, scheduler_for, segment_cache_for
@@ -489,10 +489,7 @@ class CacheBlendSettings(PicklesWithoutEngine):
         if self.base_url is None:
             return run_turn(self, turn)
         if not turn.documents:
-            texts = [m.get("content") for m in turn.messages or () if isinstance(m.get("content"), str)]
-            texts += [turn.prompt] if turn.prompt else []
-            found = [t for t in self.announced.known() if any(t in text for text in texts)]
-            turn = replace(turn, documents=found)
+            turn = replace(turn, documents=[t for t in self.announced.known() if appears_in(t, turn)])
         if turn.reuse is None and "reuse_chunk_kv" in self.model_fields_set:
             turn = replace(turn, reuse=self.reuse_chunk_kv)
         return self.remote.run_turn(turn, self.explicit_blend_options())

@@ -3,7 +3,6 @@ apart, the timeout enforced on the request, and the same turn over a server's wi
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_server_sent_chunks_become_the_same_events():
         '"prompt_tokens_details": {"cached_tokens": 5}}, "cacheblend": {"mode": "blend", "finish_reason": "eos"}}',
         "data: [DONE]",
     ]
-    events = list(_events(iter(lines), time.perf_counter()))
+    events = list(_events(iter(lines)))
     assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hel", "lo"]
     calls = events[-2].calls
     assert calls[0].name == "f" and calls[0].arguments == {"x": 1} and calls[0].id == "c1"
