@@ -36,7 +36,8 @@ class StoreStats:
 
     ``available`` is false when the store could not be asked (``error`` says why; the counts are then
     what this process knows). ``writes_skipped`` counts chunk writes this process skipped because
-    the store takes no writes for now (a full disk, a read-only file system)."""
+    the store takes no writes for now (a full disk, a read-only file system); ``write_backs_dropped`` the
+    missed chunks this process did not write back because its write-back queue was full (a slow store)."""
 
     entries: int = 0
     bytes: int = 0
@@ -48,6 +49,7 @@ class StoreStats:
     available: bool = True
     error: str | None = None
     writes_skipped: int = 0
+    write_backs_dropped: int = 0
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

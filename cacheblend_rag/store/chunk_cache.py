@@ -64,6 +64,7 @@ from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
 from cacheblend_rag.store.format import Manifest, Tagger
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
+from cacheblend_rag.store.memory_budget import default_write_back_bytes
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,8 @@ def store_key(auth_key: bytes | str | None) -> bytes | None:
 class ChunkCache(ChunkWarming, ChunkStoreIO):
     """Chunk KV in a :class:`KVStore` for one engine.
 
-    ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: an unbounded
-    memory store). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
+    ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: a memory store,
+    bounded by default: :mod:`~cacheblend_rag.store.memory_budget`). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
     behind; a :class:`StoredSegment` names its own prefix. ``storage_dtype`` is ``"auto"``,
     ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
     ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring).
@@ -96,7 +97,9 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
     out of the store. ``resident_bytes`` bounds the host-memory tier of chunks already read and verified
     (or computed) here, which later blends copy from without touching the store
     (:mod:`~cacheblend_rag.store.resident`; ``None``: 2 GiB for a CUDA engine, 1 GiB on a CPU, at most a
-    sixteenth of its memory; 0: off).
+    sixteenth of its memory; 0: off). ``write_back_bytes`` bounds the chunk K/V waiting to be written back
+    (``None``: a thirty-second of memory, at most 512 MiB); a chunk beyond it is not written back and is
+    counted as ``write_backs_dropped``, so a slow store never blocks a request nor grows the queue.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         prefetch: bool = True,
         write_back: bool = True,
         resident_bytes: int | None = None,
+        write_back_bytes: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
@@ -135,6 +139,13 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-kv-writer")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        if write_back_bytes is not None and (isinstance(write_back_bytes, bool) or not isinstance(write_back_bytes, int)
+                                             or write_back_bytes < 0):
+            raise ConfigError(f"write_back_bytes={write_back_bytes!r} must be a number of bytes (0: no write-back "
+                              "queue, every missed chunk is left unwritten), or None for the default bound")
+        self.write_back_bytes = default_write_back_bytes() if write_back_bytes is None else write_back_bytes
+        # Bytes queued and chunks dropped, under _pending_lock; a dict so that salted views share it.
+        self._write_backs = {"queued_bytes": 0, "dropped": 0}
         self._last_warning: dict[str, float] = {}
         self._warned_unauthenticated = False
 
@@ -283,9 +294,35 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
     # --------------------------------------------------------------- writes
     def _submit_write(self, key: str, chunk: ChunkKV) -> None:
         if self.write_back:
-            self._submit(self._write_logged, key, chunk)
+            self._submit_write_back(key, chunk)
         if self.resident is not None:
             self._submit(self._keep_computed_resident, key, chunk)
+
+    def _submit_write_back(self, key: str, chunk: ChunkKV, lossless: bool = False) -> bool:
+        """Queue ``chunk``'s write unless the queue already holds ``write_back_bytes`` of K/V (then it is dropped
+        and counted: its next request computes it again); whether it was queued."""
+        nbytes = sum(t.nelement() * t.element_size() for t in (*chunk.keys, *chunk.values))
+        with self._pending_lock:
+            queued = self._write_backs["queued_bytes"] + nbytes <= self.write_back_bytes
+            self._write_backs["queued_bytes" if queued else "dropped"] += nbytes if queued else 1
+        if not queued:
+            now = time.monotonic()
+            if now - self._last_warning.get("write-back queue full", -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
+                self._last_warning["write-back queue full"] = now
+                logger.warning("the write-back queue to KV store %s holds its bound of %d bytes (the store is slower "
+                               "than the misses): missed chunks are not written back, and are computed again when "
+                               "next needed (counted as write_backs_dropped; write_back_bytes= raises the bound)",
+                               self.store.describe(), self.write_back_bytes)
+            return False
+
+        def write() -> None:
+            try:
+                self._write_logged(key, chunk, lossless)
+            finally:
+                with self._pending_lock:
+                    self._write_backs["queued_bytes"] -= nbytes
+        self._submit(write)
+        return True
 
     def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
         future = self._writer.submit(fn, *args, **kwargs)
@@ -324,6 +361,8 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
             stats = StoreStats(available=False, error=str(exc), details={"store": self.store.describe()})
         if self.resident is not None:  # the host-memory tier; its hits are also among the store's ``hits``
             stats.details["resident"] = self.resident.stats()
+        with self._pending_lock:
+            stats.write_backs_dropped = self._write_backs["dropped"]
         return stats
 
     def close(self) -> None:

@@ -108,7 +108,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     print(store.describe())
     if not stats.available:
         print(f"  unavailable: {stats.error} (the counts below are this process's own)")
-    for name in ("entries", "bytes", "hits", "misses", "load_failures", "evictions", "corrupt", "writes_skipped"):
+    for name in ("entries", "bytes", "hits", "misses", "load_failures", "evictions", "corrupt", "writes_skipped",
+                 "write_backs_dropped"):
         print(f"  {name:<14} {getattr(stats, name):>14,}")
     if stats.details.get("writes", "ok") != "ok":
         print(f"  writes         {stats.details['writes']}")

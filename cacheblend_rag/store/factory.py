@@ -3,9 +3,9 @@
 =====================  ==========================================================
 spec                   store
 =====================  ==========================================================
-``memory``             :class:`MemoryKVStore` (``memory:2GB`` bounds it)
+``memory``             :class:`MemoryKVStore`, bounded by default (``memory:2GB`` sets the bound)
 ``PATH``, ``disk:PATH`` :class:`DiskKVStore` at ``PATH``
-``tiered:PATH``        :class:`TieredKVStore` of memory in front of disk at ``PATH``
+``tiered:PATH``        :class:`TieredKVStore` of memory (bounded by default) in front of disk at ``PATH``
 ``tiered:PATH,SPEC``   the same, with the store ``SPEC`` behind the disk: a serving replica's
                        ``tiered:/var/cache/kv,redis://:PASSWORD@redis:6379/0``
 ``SCHEME://...``       a backend registered for ``SCHEME`` (``redis://``, ``rediss://``)
@@ -75,7 +75,7 @@ def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | Non
         return spec
     limit = None if size_limit is None else parse_size(size_limit)
     if spec is None or str(spec) == "memory":
-        return MemoryKVStore(max_bytes=limit)
+        return MemoryKVStore(max_bytes="auto" if limit is None else limit)  # bounded by default (memory_budget)
     text = str(spec)
     if text.startswith("memory:"):
         return MemoryKVStore(max_bytes=parse_size(text.removeprefix("memory:")))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterator, Literal
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
+from cacheblend_rag.store.memory_budget import default_memory_store_bytes
 
 
 class _Entry:
@@ -20,16 +21,21 @@ class _Entry:
 
 
 class MemoryKVStore(KVStore):
-    """LRU over chunks, bounded by ``max_bytes`` of stored values (``None``: unbounded).
+    """LRU over chunks, bounded by ``max_bytes`` of stored values: ``"auto"`` (the default) is an eighth of
+    the memory this process may use, at most 4 GiB (:mod:`~cacheblend_rag.store.memory_budget` says why);
+    ``None``: unbounded, for a caller who bounds it otherwise.
 
     Values stay encoded (the same bytes a disk or Redis store holds), so a memory hit still
     verifies checksums and converts to the compute dtype; what it saves is the I/O.
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(self, max_bytes: int | None | Literal["auto"] = "auto") -> None:
         super().__init__()
+        if max_bytes == "auto":
+            max_bytes = default_memory_store_bytes()
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ConfigError(f"max_bytes={max_bytes!r} must be a positive number of bytes, or None for no limit")
+            raise ConfigError(f"max_bytes={max_bytes!r} must be a positive number of bytes, 'auto' for the "
+                              "default bound, or None for no limit")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0

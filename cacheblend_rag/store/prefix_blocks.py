@@ -95,7 +95,7 @@ class StorePrefixBlocks:
             return
         block = ChunkKV(tuple(token_ids), [kv[layer, 0] for layer in range(kv.shape[0])],
                         [kv[layer, 1] for layer in range(kv.shape[0])], approximate=approximate)
-        cache._submit(cache._write_logged, prefix_block_key(key, approximate=approximate), block, True)
+        cache._submit_write_back(prefix_block_key(key, approximate=approximate), block, True)
 
 
 __all__ = ["APPROXIMATE_BLOCK_KEY_PREFIX", "BLOCK_KEY_PREFIX", "StorePrefixBlocks"]
