@@ -150,6 +150,8 @@ def _store_metrics(stats: Any) -> Iterator[Metric]:
     yield _counter("cacheblend_store_corrupt_entries", "Entries found damaged and deleted", stats.corrupt)
     yield _counter("cacheblend_store_writes_skipped", "Chunk writes skipped while the store took none",
                    stats.writes_skipped)
+    yield _counter("cacheblend_store_write_backs_dropped", "Missed chunks not written back: the write-back queue "
+                   "was full (a slow store)", stats.write_backs_dropped)
     yield _counter("cacheblend_store_evictions", "Chunks evicted to keep the store's bound", stats.evictions)
 
 
