@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
+from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import resolve_device
 
 # Every BlendConfig field is exposed, under its own name; calls may override them too.
@@ -70,6 +71,21 @@ def checked_as_given(values: dict[str, Any]) -> None:
     if sampling:
         # The answer's length is checked against min_new_tokens per call, where both are known.
         GenerationConfig(max_new_tokens=max(1, int(sampling.get("min_new_tokens") or 0)), **sampling)
+
+
+def call_answer_length(owner: str, call: dict[str, Any], default: int, names: tuple[str, ...]) -> int:
+    """The answer's length one call asks for under any of ``names`` (``max_tokens``, ``max_new_tokens``), else
+    ``default``. A length given is checked as given: ``0`` is refused, never read as "unset" (``x or default``
+    did that, and LlamaIndex answered at its default length), and two names that disagree are refused too."""
+    given = [(name, call[name]) for name in names if call.get(name) is not None]
+    for name, value in given:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+            raise ConfigError(f"{owner} got {name}={value!r}: the answer's length must be an integer in "
+                              "[1, 1000000] tokens; leave it out for the default")
+    if len({value for _, value in given}) > 1:
+        raise ConfigError(f"{owner} got {' and '.join(f'{n}={v!r}' for n, v in given)} in one call: they "
+                          "disagree; pass the answer's length once")
+    return given[0][1] if given else default
 
 
 def hugging_face_spellings(owner: str, values: dict[str, Any], max_tokens_field: str,
@@ -265,5 +281,5 @@ def _auto_device(owner: str, logger: logging.Logger) -> str:
     return device
 
 
-__all__ = ["BLEND_FIELDS", "SAMPLING_FIELDS", "checked_as_given", "generation_options", "hugging_face_spellings",
+__all__ = ["BLEND_FIELDS", "SAMPLING_FIELDS", "call_answer_length", "checked_as_given", "generation_options", "hugging_face_spellings",
            "unknown_names_error", "with_generate_kwargs"]

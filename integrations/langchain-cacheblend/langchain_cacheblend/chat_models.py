@@ -52,6 +52,7 @@ from cacheblend_rag.serving import (
     ToolCalls,
     TurnEnd,
     WarmSummary,
+    call_answer_length,
     chosen_tools,
     iterate_in_thread,
     thinks,
@@ -67,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 _GENERATION_OPTIONS = ("max_tokens", *SAMPLING_FIELDS)
 _CALL_OPTIONS = frozenset({*_GENERATION_OPTIONS, *BLEND_FIELDS, "timeout", "model", "tools", "tool_choice",
-                           "parallel_tool_calls", "response_format", "generate_kwargs", "pipeline_kwargs"})
+                           "parallel_tool_calls", "response_format", "generate_kwargs", "pipeline_kwargs",
+                           "cache_salt"})
 # Calls of one batch() in flight at once against a server (base_url): its scheduler batches them there.
 _REMOTE_BATCH_CONCURRENCY = 8
 
@@ -125,9 +127,13 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             stats = msg.response_metadata["cacheblend"]
             stats["ttft_s"], stats["reused_tokens"]
 
+    Key init args (tenants):
+        cache_salt: the requests' cache salt (a tenant's name): different salts share no cached K/V
+            of prompts or answers; chunk_sharing ("shared" or "per_salt") says whether they share chunks.
+
     Every call (also per call through ``bind``) accepts ``max_tokens``, the sampling options,
-    ``timeout`` and the blending options above.
-    ``response_metadata["cacheblend"]`` carries the blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
+    ``timeout``, ``cache_salt`` and the blending options above.
+    ``response_metadata["cacheblend"]`` carries this call's own blend stats (``ttft_s``, ``mode``, ``cached_tokens``,
     ``reused_tokens``, ``recomputed_tokens``, ``fresh_tokens``, ``cache_hits``,
     ``cache_misses``, ``timings``; ``total_tokens`` there counts prompt tokens) and
     ``usage_metadata`` counts tokens, with ``input_token_details["cache_read"]`` the prompt
@@ -304,8 +310,8 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         return self.blend_config_with({k: v for k, v in options.items() if k in BLEND_FIELDS})
 
     def _generation_config(self, options: dict[str, Any], stop: list[str] | None) -> GenerationConfig:
-        return self.generation_config_with(options.get("max_tokens", self.max_tokens),
-                                           stop if stop is not None else self.stop, options)
+        length = call_answer_length("ChatCacheBlend", options, self.max_tokens, ("max_tokens",))
+        return self.generation_config_with(length, stop if stop is not None else self.stop, options)
 
     def _call_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A call's options, checked: LangChain passes its own tracing keys (ls_*) and `stream` along."""
@@ -335,6 +341,7 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
             timeout=options.get("timeout", self.timeout),
             blend_options={k: v for k, v in options.items() if k in BLEND_FIELDS},
             template_kwargs=self.chat_template_kwargs,
+            cache_salt=options.get("cache_salt"),  # None: the object's (run_turn)
         )
 
     # -------------------------------------------------------------- generation

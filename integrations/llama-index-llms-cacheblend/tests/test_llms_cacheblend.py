@@ -132,6 +132,16 @@ def test_bad_values_fail_at_construction(engine, field, value, message):
         CacheBlendLLM.from_engine(engine, **{field: value})
 
 
+@pytest.mark.parametrize("option", ["max_tokens", "max_new_tokens"])
+def test_an_answer_length_of_zero_is_refused_per_call(llm, option):
+    # `0 or default` used to answer at the default length without a word; LangChain refuses it.
+    with pytest.raises(ValueError, match=rf"CacheBlendLLM got {option}=0: the answer's length must be an integer"):
+        llm.complete("Hello", **{option: 0})
+    with pytest.raises(ValueError, match=r"max_new_tokens=2 and max_tokens=3 in one call: they disagree"):
+        llm.complete("Hello", max_new_tokens=2, max_tokens=3)
+    assert llm.complete("Hello", **{option: 2}).additional_kwargs["completion_tokens"] <= 2
+
+
 def test_profile_layers_reaches_the_blend_config(engine):
     assert CacheBlendLLM.from_engine(engine, profile_layers=2).blend_config.profile_layers == 2
     assert CacheBlendLLM.from_engine(engine).blend_config.profile_layers is None

@@ -125,6 +125,8 @@ def test_streaming_flag_fires_token_callbacks_on_invoke(engine) -> None:
 def test_bind_and_call_options(engine) -> None:
     llm = ChatCacheBlend(engine=engine, max_tokens=20, prefix_cache_bytes=0)  # ratio 0 below is full reuse
     assert llm.bind(max_tokens=3).invoke("Hello").usage_metadata["output_tokens"] == 3
+    with pytest.raises(ValueError, match=r"ChatCacheBlend got max_tokens=0: the answer's length must be an integer"):
+        llm.invoke("Hello", max_tokens=0)  # the same check as CacheBlendLLM's (serving.call_answer_length)
     full = llm.invoke("Hello").content
     stop = full[len(full) // 2 :][:3]
     cut = llm.invoke("Hello", stop=[stop])

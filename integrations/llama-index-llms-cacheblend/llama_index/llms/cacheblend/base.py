@@ -37,13 +37,13 @@ from llama_index.core.llms.llm import ToolSelection
 from cacheblend_rag.serving import (
     BLEND_FIELDS, SAMPLING_FIELDS, BlendService, CacheBlendEngine, CacheBlendSettings, ChatTurn, ChunkCache,
     ConfigError, GenerationConfig, ReasoningDelta, TextDelta, ToolCall, ToolCalls, TurnEnd, TurnEvent, chosen_tools,
-    iterate_in_thread, render_chat, tool_functions, tools_instruction, unknown_names_error,
+    call_answer_length, iterate_in_thread, render_chat, tool_functions, tools_instruction, unknown_names_error,
 )
 from llama_index.llms.cacheblend._chat_turns import chat_dicts
 
 _CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIELDS, *BLEND_FIELDS, "tools",
                            "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format",
-                           "generate_kwargs"})
+                           "generate_kwargs", "cache_salt"})
 
 
 class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
@@ -62,7 +62,9 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     The model, store and blending fields are shared with LangChain's ``ChatCacheBlend``
     (:class:`cacheblend_rag.serving.CacheBlendSettings`). Set ``reuse_chunk_kv=False`` for the
-    same model with plain full prefill (a baseline).
+    same model with plain full prefill (a baseline). ``cache_salt`` (also a keyword of each call) keeps a
+    tenant's cached prompts and answers apart from other salts'; ``chunk_sharing="per_salt"`` its chunks too.
+    Responses carry their own call's stats; counters over all calls are ``llm.service.stats()``.
     """
 
     # --- generation (with the sampling fields shared with LangChain; each call may override them)
@@ -226,14 +228,15 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         unknown = sorted(set(kwargs) - _CALL_OPTIONS)
         if unknown:
             raise unknown_names_error("CacheBlendLLM", unknown, set(_CALL_OPTIONS), "call option")
-        max_new_tokens = kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens
+        max_new_tokens = call_answer_length("CacheBlendLLM", kwargs, self.max_new_tokens, ("max_new_tokens", "max_tokens"))
         stop = kwargs.get("stop") if kwargs.get("stop") is not None else self.stop
         tools = list(kwargs.get("tools") or [])
         tool_functions(tools)  # a tool of another form is refused here, in process or not
         return ChatTurn(generation=self.generation_config_with(max_new_tokens, stop, kwargs), tools=tools,
                         tool_choice=_tool_choice(kwargs), response_format=kwargs.get("response_format"),
                         parallel_tool_calls=kwargs.get("allow_parallel_tool_calls", True),
-                        blend_options={k: kwargs[k] for k in BLEND_FIELDS if k in kwargs}, **conversation)
+                        blend_options={k: kwargs[k] for k in BLEND_FIELDS if k in kwargs},
+                        cache_salt=kwargs.get("cache_salt"), **conversation)  # None: the object's (run_turn)
 
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
