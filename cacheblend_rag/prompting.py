@@ -5,6 +5,12 @@ chunk texts that string will contain; we find them verbatim, and everything else
 (template text, glue between chunks, the question, chunks that were changed on the
 way) becomes fresh text. Each piece is tokenized on its own and the ids are
 concatenated, so a chunk's tokens are exactly those its cached KV was computed for.
+
+Chunk text is a retrieved document: special-token strings in it (``<|im_end|>``, ``<|endoftext|>``) are
+tokenized as the plain text they spell unless ``special_tokens="control"`` says the documents are trusted
+(:func:`~cacheblend_rag.engine.text.document_ids`); the template and question around them are tokenized as
+the tokenizer does, control tokens and all. Full prefill of a prompt takes the same ids
+(:func:`prompt_ids`), so ratio 1.0 stays exactly full prefill.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
-from cacheblend_rag.engine.text import checked_text
+from cacheblend_rag.engine.text import checked_text, document_ids
 
 
 def chunk_text(text: str) -> str:
@@ -88,6 +94,12 @@ def default_conditioning_prefix(tokenizer: Any) -> list[int]:
 class PromptPiece:
     text: str
     is_chunk: bool
+    # A chunk's text computed fresh (one that ends the prompt): still a document, still tokenized as one.
+    document: bool = False
+
+    @property
+    def is_document(self) -> bool:
+        return self.is_chunk or self.document
 
 
 @dataclass
@@ -101,57 +113,62 @@ class SplitPrompt:
         return any(p.is_chunk for p in self.pieces)
 
 
-def split_prompt(prompt: str, chunk_texts: Iterable[str]) -> SplitPrompt:
-    """Locate each known chunk text in ``prompt``; longer chunks win where texts overlap."""
-    known = sorted({c for c in chunk_texts if c and c.strip()}, key=len, reverse=True)
+def split_prompt(prompt: str, chunk_texts: Iterable[str], document_texts: Iterable[str] = ()) -> SplitPrompt:
+    """Locate each known chunk text in ``prompt``; longer chunks win where texts overlap.
+    ``document_texts`` (a document's title, say) are found where no chunk is and stay fresh text, tokenized
+    as documents are (:attr:`PromptPiece.document`)."""
     taken: list[tuple[int, int]] = []
-    found_spans: list[tuple[int, int, str]] = []
+    found_spans: list[tuple[int, int, str, bool]] = []
     missing: list[str] = []
-    for chunk in known:
-        start, hit = 0, False
-        while True:
-            i = prompt.find(chunk, start)
-            if i < 0:
-                break
-            j = i + len(chunk)
-            if all(j <= a or i >= b for a, b in taken):
-                taken.append((i, j))
-                found_spans.append((i, j, chunk))
-                hit = True
-            start = i + 1
-        if not hit:
-            missing.append(chunk)
+    for texts, is_chunk in ((chunk_texts, True), (document_texts, False)):
+        for text in sorted({c for c in texts if c and c.strip()}, key=len, reverse=True):
+            start, hit = 0, False
+            while True:
+                i = prompt.find(text, start)
+                if i < 0:
+                    break
+                j = i + len(text)
+                if all(j <= a or i >= b for a, b in taken):
+                    taken.append((i, j))
+                    found_spans.append((i, j, text, is_chunk))
+                    hit = True
+                start = i + 1
+            if not hit and is_chunk:
+                missing.append(text)
     found_spans.sort()
     pieces: list[PromptPiece] = []
     cursor = 0
-    for i, j, chunk in found_spans:
+    for i, j, text, is_chunk in found_spans:
         if i > cursor:
             pieces.append(PromptPiece(prompt[cursor:i], False))
-        pieces.append(PromptPiece(chunk, True))
+        pieces.append(PromptPiece(text, is_chunk, document=not is_chunk))
         cursor = j
     if cursor < len(prompt):
         pieces.append(PromptPiece(prompt[cursor:], False))
     # A blend must end with fresh tokens: a chunk at the very end is computed fresh.
     if pieces and pieces[-1].is_chunk:
-        pieces[-1] = PromptPiece(pieces[-1].text, False)
+        pieces[-1] = PromptPiece(pieces[-1].text, False, document=True)
         found_spans.pop()
-    return SplitPrompt(pieces=pieces, found=[c for _, _, c in found_spans], missing=missing)
+    return SplitPrompt(pieces=pieces, found=[c for _, _, c, is_chunk in found_spans if is_chunk], missing=missing)
 
 
 def to_segments(
-    split: SplitPrompt, tokenize: Callable[[str], list[int]], prefix_ids: Sequence[int] = ()
+    split: SplitPrompt, tokenize: Callable[[str], list[int]], prefix_ids: Sequence[int] = (),
+    tokenize_document: Callable[[str], list[int]] | None = None,
 ) -> list[Segment]:
-    """Chunks become :class:`StoredSegment` (looked up in the store), the rest :class:`FreshSegment`."""
+    """Chunks become :class:`StoredSegment` (looked up in the store), the rest :class:`FreshSegment`.
+    ``tokenize_document`` tokenizes the chunks' text (:attr:`PromptPiece.is_document`); ``None``: ``tokenize``."""
     segments: list[Segment] = []
     for piece in split.pieces:
-        ids = tokenize(piece.text)
+        ids = (tokenize_document or tokenize)(piece.text) if piece.is_document else tokenize(piece.text)
         if not ids:
             continue
         segments.append(StoredSegment(ids, prefix_ids) if piece.is_chunk else FreshSegment(ids))
     return segments
 
 
-def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Sequence[int] = ()) -> list[Segment]:
+def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Sequence[int] = (), *,
+                           special_tokens: str = "text") -> list[Segment]:
     """Like :func:`to_segments`, but with the token ids the whole prompt tokenizes to, when possible.
 
     Tokenized piece by piece, the glue around chunks can come out differently from the same
@@ -160,13 +177,20 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     every chunk edge and each chunk's tokens equal its own tokenization (which its cached
     KV was computed for), those whole-prompt ids are used, so a blend sees exactly the ids
     that full prefill of the prompt sees. Otherwise this is :func:`to_segments`.
+
+    ``special_tokens``: how special-token strings in the chunks are tokenized (see the module). With
+    ``"text"``, a chunk that holds one keeps the whole prompt's ids around it where its edges fall on
+    token boundaries (its ids alone, the tokenizer's way, equal the prompt's there), its own text ids inside.
     """
 
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def tokenize_document(text: str) -> list[int]:
+        return list(document_ids(tokenizer, text, special_tokens))
+
     def fallback() -> list[Segment]:
-        return to_segments(split, tokenize, prefix_ids)
+        return to_segments(split, tokenize, prefix_ids, tokenize_document)
 
     # A lone surrogate: an error naming where it is in the prompt, not the tokenizer's TypeError.
     prompt = checked_text("".join(p.text for p in split.pieces), "the prompt")
@@ -183,7 +207,7 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
         end = cursor + len(piece.text)
         taken = []
         while token < len(ids) and offsets[token][0] < end:
-            if offsets[token][1] > end and piece.is_chunk:
+            if offsets[token][1] > end and piece.is_document:
                 return fallback()  # a token reaches past the chunk's end
             taken.append(ids[token])
             token += 1
@@ -192,12 +216,38 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     if token != len(ids):
         return fallback()
     # Each chunk's own tokens, in one batch call (a chat's prompt holds every turn's chunks).
-    chunk_texts = [piece.text for piece in split.pieces if piece.is_chunk]
-    own = iter(tokenizer(chunk_texts, add_special_tokens=False)["input_ids"])
+    chunk_texts = [piece.text for piece in split.pieces if piece.is_document]
+    own = iter(document_ids(tokenizer, chunk_texts, special_tokens) if chunk_texts else [])
     segments: list[Segment] = []
     for piece, piece_ids in zip(split.pieces, piece_tokens):
-        if piece.is_chunk and piece_ids != list(next(own)):
-            return fallback()
+        if piece.is_document:
+            text_ids = list(next(own))
+            # Unequal where the chunk spells a special token the prompt's ids hold as one: its edges are
+            # token boundaries if its ids alone, the tokenizer's way, equal the prompt's, and then its text ids
+            # stand in for them.
+            if piece_ids != text_ids and (special_tokens != "text" or piece_ids != tokenize(piece.text)):
+                return fallback()
+            piece_ids = text_ids
         if piece_ids:
             segments.append(StoredSegment(piece_ids, prefix_ids) if piece.is_chunk else FreshSegment(piece_ids))
     return segments
+
+
+def spelling_special_tokens(texts: Iterable[str], tokenizer: Any) -> list[str]:
+    """Those of ``texts`` whose ids as document text differ from the tokenizer's own: the ones that spell a
+    special token (``<|im_end|>``), which :func:`split_prompt` must find to tokenize them as documents."""
+    texts = [t for t in texts if t and t.strip()]
+    if not texts:
+        return []
+    as_text, as_control = document_ids(tokenizer, texts, "text"), document_ids(tokenizer, texts, "control")
+    return [t for t, a, b in zip(texts, as_text, as_control) if list(a) != list(b)]
+
+
+def prompt_ids(prompt: str, chunk_texts: Iterable[str], tokenizer: Any, special_tokens: str = "text",
+               document_texts: Iterable[str] = ()) -> list[int]:
+    """The token ids of ``prompt`` that a blend and full prefill of it both take: :func:`to_segments_in_context`
+    of the prompt split at ``chunk_texts`` (and ``document_texts``), joined (each document's text tokenized as
+    ``special_tokens`` says)."""
+    split = split_prompt(prompt, chunk_texts, document_texts)
+    segments = to_segments_in_context(split, tokenizer, special_tokens=special_tokens)
+    return [t for s in segments for t in s.token_ids]

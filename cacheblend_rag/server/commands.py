@@ -43,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        f"${API_KEY_VARIABLE}, else none)")
     serve.add_argument("--no-blend", action="store_true",
                        help="answer every request by full prefill of its whole prompt (a baseline on the same server)")
+    serve.add_argument("--chunk-sharing", choices=("shared", "per_salt"), default=None,
+                       help="whether requests of different cache_salt share the chunk store: shared (default: a "
+                       "corpus is warmed once; another salt learns only that a chunk was seen) or per_salt (each "
+                       "salt's chunks keyed apart, so no hit tells one tenant of another's documents)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model's name in requests and responses (default: --model as given)")
     serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
@@ -61,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds running requests get to finish on SIGINT/SIGTERM "
                        f"(default: {DEFAULT_GRACEFUL_SHUTDOWN_S})")
     serve.add_argument("--access-log", action="store_true", help="log one line per request (uvicorn's access log)")
+    serve.add_argument("--document-special-tokens", choices=("text", "control"), default=None,
+                       help="special-token strings (<|im_end|>, say) in documents and chunks: text (default: "
+                       "tokenized as the characters they spell, so a document cannot open a turn or end the text) or "
+                       "control (as control tokens, for trusted documents only); warm with the same")
     _add_blend_flags(serve.add_argument_group("blend settings (default: the model's saved calibration, else "
                                               "the built-in; each flag given overrides it)"))
     serve.set_defaults(func=_cmd_serve)
@@ -111,8 +119,10 @@ def _config(args: argparse.Namespace) -> ServerConfig:
     checked_as_given(settings)  # a bad value fails now, not after the socket is up and the model loaded
     if args.no_blend:
         settings["reuse_chunk_kv"] = False
+    if args.document_special_tokens is not None:
+        settings["document_special_tokens"] = args.document_special_tokens
     for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),
-                        ("max_queued_requests", args.max_queued_requests)):
+                        ("max_queued_requests", args.max_queued_requests), ("chunk_sharing", args.chunk_sharing)):
         if value is not None:
             settings[name] = value
     http: dict[str, Any] = {}

@@ -16,9 +16,10 @@ import copy
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from cacheblend_rag.engine.text import checked_text
+from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens
 from cacheblend_rag.server.options import ServerConfig
 from cacheblend_rag.serving.chat_turn import ChatTurn, run_turn
 from cacheblend_rag.serving.settings import CacheBlendSettings
@@ -104,11 +105,14 @@ class ServerState:
         """Bytes a request body may hold; ``None`` before the model is loaded (requests then get 503)."""
         return self.config.body_limit(self.context_window) if self.settings is not None else None
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of ``text`` as the engine tokenizes a prompt (no special tokens added), on this server's copy."""
+    def count_tokens(self, text: str, documents: Sequence[str] = (), titles: Sequence[str] = ()) -> int:
+        """Tokens of ``text`` as the engine tokenizes a prompt (no special tokens added, the ``documents`` and
+        their ``titles`` found in it tokenized as the service tokenizes documents), on this server's copy."""
         checked_text(text, "the prompt")
+        special = self.settings.service.document_special_tokens if self.settings is not None else "text"
         with self._tokenizer_lock:
-            return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            titles = spelling_special_tokens(titles, self._tokenizer) if special == "text" else []
+            return len(prompt_ids(text, documents, self._tokenizer, special, titles))
 
 
 def _copied(tokenizer: Any) -> Any:

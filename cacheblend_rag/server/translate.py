@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.errors import BlendInputError, ConfigError
+from cacheblend_rag.prompting import chunk_texts
 from cacheblend_rag.server.errors import APIError, api_error, context_length_error
 from cacheblend_rag.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from cacheblend_rag.server.state import ServerState
@@ -247,7 +248,9 @@ def prepare_turn(state: ServerState, request: ChatCompletionRequest) -> ChatTurn
     try:
         prompt = render_turn(settings.service.engine.tokenizer, turn, functions, required,
                              settings.chat_template_kwargs if template_kwargs is None else template_kwargs)
-        tokens = state.count_tokens(prompt)
+        # A document's special-token strings are tokenized as text (document_special_tokens): counted so too.
+        given = turn.document_list()
+        tokens = state.count_tokens(prompt, chunk_texts(d.text for d in given), [d.title for d in given if d.title])
     except (BlendInputError, ConfigError) as exc:
         raise APIError.bad(str(exc), param="messages") from None
     except Exception as exc:  # noqa: BLE001 - the chat template's own errors are the request's (400)

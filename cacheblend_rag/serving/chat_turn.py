@@ -22,9 +22,10 @@ line, and a blank line before the message's own text (:func:`render_documents`).
 looks for those texts only; a turn without them, for the texts announced to the service (the in-process
 retrievers').
 
-**Cache salt.** Requests with different ``cache_salt`` share no cached K/V: their chunks are keyed under
-the salt, their prefix-cache blocks chained from it, and a salted request neither reads nor feeds the
-segment cache (it holds one unsalted namespace).
+**Cache salt.** Requests with different ``cache_salt`` share no cached K/V of their prompts or answers:
+their prefix-cache blocks are chained from the salt and their segment-cache spans kept under it. Chunks
+are shared across salts unless the service's ``chunk_sharing`` is ``"per_salt"`` (then keyed under the
+salt too). ``None`` or ``""``: the shared namespace.
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
     prompt = render_turn(tokenizer, turn, functions, required, template_kwargs)
     documents = [t for t in (chunk_text(d.text) for d in turn.document_list()) if t]
     documents = documents or (None if turn.look_for_announced else [])
-    stream = service.stream(prompt, generation, blend, reuse=reuse, chunks=documents, salt=turn.cache_salt or "")
+    titles = [d.title for d in turn.document_list() if d.title]  # a document's, so tokenized as one
+    stream = service.stream(prompt, generation, blend, reuse=reuse, chunks=documents, salt=turn.cache_salt or "",
+                            document_texts=titles)
     if turn.timeout is not None:
         stream.deadline = started + turn.timeout
     calls = ToolCallStream.for_tokenizer(tokenizer, functions, required=required,

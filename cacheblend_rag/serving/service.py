@@ -19,6 +19,13 @@ turn's question), and the new message is blended. The blend configuration is not
 blocks' keys: a conversation's turns use one. All of that runs on the engine's
 :class:`~cacheblend_rag.serving.scheduler.RequestScheduler` worker, which decodes concurrent
 requests together; callers on any thread only wait for their deltas.
+
+A request's cache salt (``salt``, a tenant's ``cache_salt``) scopes what it shares: its prefix-cache
+blocks are chained from it and its segment-cache spans kept under it, so requests with different salts
+share no K/V of their prompts or answers. The chunk store is shared across salts unless
+``chunk_sharing="per_salt"``: a chunk's K/V is computed from its text alone, so sharing it tells another
+tenant only that the chunk was seen. A response's stats are its request's own; the caches' counters over
+all requests are :meth:`BlendService.stats` (the server's ``/metrics``), never in an answer.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from cacheblend_rag.engine.generate import start_decoding
 from cacheblend_rag.engine.layout import unrotated_keys
 from cacheblend_rag.engine.prefix_cache import PrefixCache
 from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
-from cacheblend_rag.prompting import split_prompt, to_segments_in_context
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.engine.text import checked_special_tokens
+from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens, split_prompt, to_segments_in_context
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
 from cacheblend_rag.serving.registry import scheduler_for
 from cacheblend_rag.serving.scheduler import RequestHandle
@@ -44,6 +53,8 @@ from cacheblend_rag.store import ChunkCache, WarmSummary
 from cacheblend_rag.store.chunk_warm import with_progress
 
 logger = logging.getLogger(__name__)
+# Whether the chunk store is shared across cache salts ("shared") or keyed apart per salt ("per_salt").
+CHUNK_SHARING = ("shared", "per_salt")
 
 
 @dataclass
@@ -71,33 +82,18 @@ class Served:
     prompt: PreparedPrompt
     model: str
     recompute_ratio: float
-    prefix_cache: PrefixCache | None = None
-    segment_cache: SegmentCache | None = None
 
     def stats(self) -> dict[str, Any]:
         """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata["cacheblend"]``):
-        the blend's, what was found of the chunks, and the prefix and segment caches' state
-        (``prefix_cache_*``, ``segment_cache_*``)."""
+        the blend's and what was found of the chunks, this request's own counts only. What the caches hold
+        and their counters over all requests are :meth:`BlendService.stats`: in every answer, they would let
+        one user watch another's requests (a hit count that grows is someone's prompt)."""
         stats = self.result.stats_dict()
         stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
                      recompute_ratio=self.recompute_ratio, model=self.model)
-        if self.prefix_cache is not None:
-            held = self.prefix_cache.stats()
-            stats.update(prefix_cache_blocks=held.blocks, prefix_cache_bytes=held.bytes,
-                         prefix_cache_max_bytes=held.max_bytes, prefix_cache_hits=held.hits,
-                         prefix_cache_misses=held.misses, prefix_cache_hit_tokens=held.hit_tokens,
-                         prefix_cache_queried_tokens=held.queried_tokens, prefix_cache_evictions=held.evictions,
-                         prefix_cache_partial_blocks=held.partial_blocks,
-                         prefix_cache_approximate_blocks=held.approximate_blocks,
-                         prefix_cache_approximate_bytes=held.approximate_bytes,
-                         prefix_cache_approximate_hit_tokens=held.approximate_hit_tokens)
         stats["segment_tokens"] = self.prompt.segment_tokens
         if self.prompt.segment_hits and stats["mode"] != "full_prefill":
             stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)
-        if self.segment_cache is not None:
-            spans = self.segment_cache.stats()
-            stats.update(segment_cache_entries=spans.entries, segment_cache_bytes=spans.bytes,
-                         segment_cache_hits=spans.hits)
         if stats.get("fallback_reason") is None and stats["mode"] in ("full_prefill", "prefix_cached"):
             stats["fallback_reason"] = self.prompt.reason  # why no chunk K/V was reused, if none was found
         return stats
@@ -123,9 +119,18 @@ class BlendService:
     """One engine, its chunk cache and the chunk texts announced to one integration object."""
 
     def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks,
-                 prefix_cache: PrefixCache | None = None, segment_cache: SegmentCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, segment_cache: SegmentCache | None = None, *,
+                 chunk_sharing: str = "shared", document_special_tokens: str = "text") -> None:
+        """``document_special_tokens``: how special-token strings in chunk text are tokenized, when warmed
+        and when found in a prompt: ``"text"`` as plain text, ``"control"`` as control tokens (trusted text;
+        :func:`~cacheblend_rag.engine.text.document_ids`)."""
         if chunk_cache.engine is not engine:
             raise ValueError("chunk_cache belongs to another engine; build it with ChunkCache(this engine, ...)")
+        if chunk_sharing not in CHUNK_SHARING:
+            raise ConfigError(f"chunk_sharing={chunk_sharing!r} must be one of {list(CHUNK_SHARING)}: 'shared' (one "
+                              "chunk store for every cache salt) or 'per_salt' (each salt's chunks keyed apart)")
+        self.chunk_sharing = chunk_sharing
+        self.document_special_tokens = checked_special_tokens(document_special_tokens)
         self.engine = engine
         self.chunk_cache = chunk_cache
         self.announced = announced
@@ -141,13 +146,20 @@ class BlendService:
 
     def warm(self, texts: Iterable[str], *, show_progress: bool = False, salt: str = "") -> WarmSummary:
         """Compute and store the KV of each chunk text the store lacks, on the scheduler's worker, a
-        batch of chunks between two decode steps (``salt``: under that cache salt, for its requests)."""
-        steps = self.chunk_cache.salted(salt).warm_steps(chunk_texts(texts))
+        batch of chunks between two decode steps (``salt``: for that cache salt's requests, into the shared
+        store unless ``chunk_sharing="per_salt"``)."""
+        steps = self.chunks_for(salt).warm_steps(chunk_texts(texts), special_tokens=self.document_special_tokens)
         return self.scheduler.run_job(with_progress(steps, show_progress)).result()
+
+    def chunks_for(self, salt: str) -> ChunkCache:
+        """The chunk cache a request of cache salt ``salt`` reads and fills: the shared one, or with
+        ``chunk_sharing="per_salt"`` the salt's own keys (no hit tells one tenant what another's documents are)."""
+        return self.chunk_cache.salted(salt) if self.chunk_sharing == "per_salt" else self.chunk_cache
 
     # ------------------------------------------------------------- prompts
     def prepare(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None,
-                chunks: Sequence[str] | None = None, salt: str = "") -> PreparedPrompt:
+                chunks: Sequence[str] | None = None, salt: str = "", document_texts: Sequence[str] = ()
+                ) -> PreparedPrompt:
         """``prompt`` as segments: announced chunk texts found verbatim become stored chunks (computed
         behind the cache's prefix), everything else fresh text, with the ids the whole prompt
         tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model).
@@ -158,14 +170,16 @@ class BlendService:
 
         ``chunks``: the chunk texts to look for (a request's own documents, in :func:`chunk_text` form);
         ``None``: the announced ones. ``salt``: the request's cache salt, whose prefix-cache blocks are
-        chained apart; a salted request does not use the segment cache."""
-        if not reuse:
-            return PreparedPrompt([FreshSegment(self.engine.tokenize(prompt))], 0, 0,
+        chained from it and whose segment-cache spans are its own. ``document_texts``: other text of the
+        documents (their titles), fresh but tokenized as documents are where it spells a special token."""
+        known = self._known(chunks)
+        if not reuse:  # the chunks' spans are still documents: their text is tokenized as a blend's would be
+            return PreparedPrompt([FreshSegment(self._prompt_ids(prompt, known, document_texts))], 0, 0,
                                   "chunk KV reuse is off (reuse_chunk_kv=False)")
-        known = self.announced.known() if chunks is None else list(chunks)
         latest = self.announced.latest() if chunks is None else tuple(chunks)
-        split = split_prompt(prompt, known)
-        segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids)
+        split = split_prompt(prompt, known, self._spelling_special_tokens(document_texts))
+        segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids,
+                                          special_tokens=self.document_special_tokens)
         found = set(split.found)
         if split.found:
             reason = None
@@ -180,7 +194,7 @@ class BlendService:
         # has a span after every chunk of every turn.
         fingerprint = self.engine.fingerprint
         segments = self._with_cached_prefix(segments, spans, fingerprint, approximate=approximate, salt=salt)
-        segments, reused = self._with_cached_spans(segments, spans, fingerprint) if not salt else (segments, 0)
+        segments, reused = self._with_cached_spans(segments, spans, fingerprint, salt)
         prefix = segments[0] if segments and isinstance(segments[0], PrefixSegment) else None
         return PreparedPrompt(
             segments=segments,
@@ -191,9 +205,25 @@ class BlendService:
             reason=reason,
             prefix_tokens=0 if prefix is None else len(prefix),
             approximate_prefix_tokens=0 if prefix is None else prefix.approximate_tokens,
-            segment_tokens=reused, spans=[] if salt else spans, salt=salt,
+            segment_tokens=reused, spans=spans, salt=salt,
             segment_hits=sum(1 for s in segments if isinstance(s, CachedSegment) and s.chunk.approximate),
         )
+
+    def _known(self, chunks: Sequence[str] | None) -> list[str]:
+        """The chunk texts a prompt is searched for: ``chunks``, else the announced ones."""
+        return self.announced.known() if chunks is None else list(chunks)
+
+    def _prompt_ids(self, prompt: str, known: Sequence[str], document_texts: Sequence[str] = ()) -> list[int]:
+        """``prompt``'s token ids with the ``known`` chunk texts in it tokenized as documents (full prefill's)."""
+        return prompt_ids(prompt, known, self.engine.tokenizer, self.document_special_tokens,
+                          self._spelling_special_tokens(document_texts))
+
+    def _spelling_special_tokens(self, texts: Sequence[str]) -> list[str]:
+        """Those of ``texts`` that tokenizing as documents changes: only they are split out of the fresh text
+        (a title as common as "Paris" would otherwise cut the prompt's ids wherever the word stands)."""
+        if self.document_special_tokens == "control" or not texts:
+            return []
+        return spelling_special_tokens(texts, self.engine.tokenizer)
 
     def _with_cached_prefix(self, segments: list[Segment], spans: list[tuple[int, int]], fingerprint: str, *,
                             approximate: bool = False, salt: str = "") -> list[Segment]:
@@ -216,7 +246,7 @@ class BlendService:
         if hit is None:
             return segments
         if hit.approximate_tokens:
-            hit = hit.cut(self._approximate_end(len(hit), hit.exact_tokens, segments, spans, ids, fingerprint))
+            hit = hit.cut(self._approximate_end(len(hit), hit.exact_tokens, segments, spans, ids, fingerprint, salt))
         m, rest, offset = len(hit.token_ids), [], 0
         for s in segments:
             end = offset + len(s.token_ids)
@@ -228,7 +258,7 @@ class BlendService:
         return [hit, *rest] if m else segments
 
     def _approximate_end(self, m: int, exact: int, segments: list[Segment], spans: list[tuple[int, int]],
-                         ids: list[int], fingerprint: str) -> int:
+                         ids: list[int], fingerprint: str, salt: str = "") -> int:
         """Where an approximate prefix of ``m`` tokens (``exact`` of them exact) should end (see above)."""
         offset = 0
         for s in segments:
@@ -240,7 +270,7 @@ class BlendService:
             for a, b in spans:
                 if exact <= a < m < b:
                     limit = b - a - 1 if b == len(ids) else b - a
-                    if self.segment_cache.reach(ids[a:b], fingerprint, max_tokens=limit) > m - a:
+                    if self.segment_cache.reach(ids[a:b], fingerprint, max_tokens=limit, salt=salt) > m - a:
                         return a
         return m
 
@@ -263,8 +293,8 @@ class BlendService:
         return spans
 
     def _with_cached_spans(self, segments: list[Segment], spans: list[tuple[int, int]],
-                           fingerprint: str) -> tuple[list[Segment], int]:
-        """Fresh segments that are whole ``spans`` and open with a span an earlier request computed
+                           fingerprint: str, salt: str = "") -> tuple[list[Segment], int]:
+        """Fresh segments that are whole ``spans`` and open with a span an earlier request of ``salt`` computed
         become that span's cached segment and a fresh rest (the last keeps at least its last token
         fresh). Returns the segments and the tokens reused."""
         cache = self.segment_cache
@@ -275,7 +305,7 @@ class BlendService:
             n = len(s.token_ids)
             if cache is not None and isinstance(s, FreshSegment) and offset in starts:
                 last = index == len(segments) - 1
-                hit = cache.match(s.token_ids, fingerprint, max_tokens=n - 1 if last else n)
+                hit = cache.match(s.token_ids, fingerprint, max_tokens=n - 1 if last else n, salt=salt)
                 if hit is not None:
                     out.append(CachedSegment(hit))
                     if len(hit) < n:
@@ -309,19 +339,19 @@ class BlendService:
                 else:
                     self.prefix_cache.insert(ids, keys, values, fingerprint, salt=prepared.salt)
             if keep_spans:
-                self._keep_spans(ids, keys, values, prepared.spans, decoding.prompt_tokens, fingerprint)
+                self._keep_spans(ids, keys, values, prepared, decoding.prompt_tokens, fingerprint)
         except Exception:  # keeping K/V is an optimisation: it never fails the request
             logger.exception("could not keep this request's K/V for later requests")
 
-    def _keep_spans(self, ids: list[int], keys: list[Any], values: list[Any], spans: list[tuple[int, int]],
+    def _keep_spans(self, ids: list[int], keys: list[Any], values: list[Any], prepared: PreparedPrompt,
                     prompt_tokens: int, fingerprint: str) -> None:
         a = self.engine.adapter
         assert a is not None and self.segment_cache is not None
-        for start, end in spans:
+        for start, end in prepared.spans:
             if end == prompt_tokens:
                 end = len(ids)  # the span that ends the prompt continues with the answer
             self.segment_cache.remember(ids[start:end], unrotated_keys(a, keys, start, end),
-                                        [v[0, :, start:end] for v in values], fingerprint)
+                                        [v[0, :, start:end] for v in values], fingerprint, salt=prepared.salt)
 
     def _no_reuse(self, prompt: str, tokens: int, known: Sequence[str], latest: Sequence[str]) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
@@ -355,34 +385,43 @@ class BlendService:
     # ------------------------------------------------------------- answers
     def stream(
         self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True,
-        chunks: Sequence[str] | None = None, salt: str = "",
+        chunks: Sequence[str] | None = None, salt: str = "", document_texts: Sequence[str] = (),
     ) -> ServedStream:
         """Submit ``prompt``: its text deltas as the scheduler decodes them; ``close()`` drops it.
         Raises :class:`~cacheblend_rag.serving.scheduler.SchedulerFullError` when the queue is full; the
         stream ends with :class:`~cacheblend_rag.serving.admission.KVBudgetError` when the prompt and
-        ``max_new_tokens`` need more KV memory than the scheduler's whole budget. ``chunks`` and ``salt``:
-        as :meth:`prepare` takes them."""
+        ``max_new_tokens`` need more KV memory than the scheduler's whole budget. ``chunks``, ``salt`` and
+        ``document_texts``: as :meth:`prepare` takes them."""
         submitted = time.perf_counter()
         prepared: list[PreparedPrompt] = []
 
         def start() -> Decoding:  # on the worker: the tokenizer and the model are its alone
-            prepared.append(self.prepare(prompt, reuse=reuse, blend=blend, chunks=chunks, salt=salt))
+            prepared.append(self.prepare(prompt, reuse=reuse, blend=blend, chunks=chunks, salt=salt,
+                                         document_texts=document_texts))
             decoding = start_decoding(self.engine, prepared[0].segments, generation, blend,
-                                      self.chunk_cache.salted(salt), started=submitted)
+                                      self.chunks_for(salt), started=submitted)
             if reuse and (self.prefix_cache is not None or self.segment_cache is not None):
                 decoding.on_finish = lambda done: self._after(done, prepared[0])
             return decoding
 
         def finish(result: GenerationResult) -> Served:
-            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio,
-                          self.prefix_cache if reuse else None, self.segment_cache if reuse else None)
+            return Served(result, prepared[0], self.engine.model_name, blend.recompute_ratio)
 
         def kv_tokens() -> int:  # on the worker, once queued: the KV it will hold, for the scheduler's budget
-            tokens = len(self.engine.tokenize(prompt))
+            # Counted as prepare will tokenize it: a document's special-token strings as text are more tokens.
+            tokens = len(self._prompt_ids(prompt, self._known(chunks), document_texts))
             # The prompt and room for the answer, as Decoding sizes its buffers (the last token is never fed).
             return tokens + max(1, min(generation.max_new_tokens - 1, self.engine.context_window - tokens))
 
         return self.scheduler.submit(start, finish, kv_tokens=kv_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters over every request, for an operator (the server's ``/metrics``), never in an answer: the
+        prefix cache's and segment cache's state and hits (``None`` when off), the chunk store's
+        (``ChunkCache.stats()``, as ``cacheblend-rag cache stats`` prints them) and the scheduler's."""
+        return {"prefix_cache": self.prefix_cache.stats().to_dict() if self.prefix_cache is not None else None,
+                "segment_cache": self.segment_cache.stats().to_dict() if self.segment_cache is not None else None,
+                "store": self.chunk_cache.stats().to_dict(), "scheduler": self.scheduler.stats()}
 
     def generate(self, prompt: str, generation: GenerationConfig, blend: BlendConfig, *, reuse: bool = True) -> Served:
         stream = self.stream(prompt, generation, blend, reuse=reuse)

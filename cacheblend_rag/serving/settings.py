@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, Optional, Union
+from typing import Any, ClassVar, Dict, Iterator, Literal, Optional, Union
 
 from pydantic import ByteSize, ConfigDict, Field, PrivateAttr, SecretStr, ValidationInfo, field_validator, model_validator
 
@@ -49,6 +49,7 @@ from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
+from cacheblend_rag.store.urls import password_apart, redact, split_password
 
 logger = logging.getLogger(__name__)
 _DEFAULTS = BlendConfig()
@@ -71,7 +72,9 @@ class CacheBlendSettings(PicklesWithoutEngine):
     """Which model, where its chunk KV lives, and how prompts are blended. Pickled without the model,
     which an unpickled object attaches again on first use (:mod:`~cacheblend_rag.serving.pickling`)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+    # hide_input_in_errors: pydantic's message of a failed check would quote every argument, store_password,
+    # store_key and api_key among them; each check here names the value it refuses itself.
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), hide_input_in_errors=True)
 
     # Standard parameters of hosted models that a subclass accepts and ignores.
     _ignored_init_args: ClassVar[frozenset[str]] = frozenset()
@@ -103,10 +106,20 @@ class CacheBlendSettings(PicklesWithoutEngine):
     store_path: Optional[str] = Field(
         default=None,
         description="Where chunk KV lives: a folder (disk store), 'memory', 'tiered:PATH[,SPEC]' or 'redis://...' "
-        "(cacheblend_rag.store.open_store); None keeps it in memory. Objects on one engine and store share it.",
+        "(cacheblend_rag.store.open_store); None keeps it in memory. Objects on one engine and store share it. "
+        "A URL's password (redis://:PASSWORD@host/0) is moved to store_password: this field then reads "
+        "redis://:***@host/0, and so do repr, dumps, traces, logs and errors.",
+    )
+    store_password: Optional[SecretStr] = Field(
+        default=None, exclude=True, repr=False,
+        description="The password of store_path's URL, kept apart from it (store_path='redis://:PASSWORD@...' puts "
+        "it here); None: $CACHEBLEND_STORE_PASSWORD where the URL has none or '***' (a dump's, loaded elsewhere). "
+        "Never stored or shown; pickles keep it, for the workers they are sent to.",
     )
     store_size_limit: Optional[Union[int, str]] = Field(
-        default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'); None: unbounded."
+        default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'). None: a memory "
+        "store (the default, 'memory', a tiered store's memory tier) holds at most an eighth of this process's memory, "
+        "4 GiB at most (cacheblend_rag.store.memory_budget); a disk store is unbounded."
     )
     resident_bytes: Optional[Union[int, str]] = Field(
         default=None,
@@ -144,6 +157,14 @@ class CacheBlendSettings(PicklesWithoutEngine):
         description="Precompute chunks behind the chat template's lead and a stand-in passage (measured better "
         "than computing each alone, docs/quality.md); False computes each chunk on its own.",
     )
+    document_special_tokens: Literal["text", "control"] = Field(
+        default="text",
+        description="How special-token strings (<|im_end|>, <|endoftext|>) in chunk and document text are "
+        "tokenized: 'text' as the plain characters they spell, so a retrieved document cannot close a turn, open "
+        "a system turn or end the text; 'control' as control tokens, the tokenizer's way, for trusted text. The "
+        "template and question are tokenized as the tokenizer does either way. Warm chunks with the same setting "
+        "(cacheblend-rag warm --document-special-tokens). In process only: a server has its own flag.",
+    )
     calibration_dir: Optional[str] = Field(
         default=None,
         description="Folder of `cacheblend-rag calibrate` results; None: $CACHEBLEND_CALIBRATION_DIR, else "
@@ -175,6 +196,21 @@ class CacheBlendSettings(PicklesWithoutEngine):
         description="Also keep prefix-cache blocks in the chunk store when other processes can read it (a disk "
         "folder, Redis), so replicas share prefixes. Off by default: blocks are stored losslessly, every new "
         "block of every request is written, and a store sized for chunks fills up; a memory store never holds them.",
+    )
+    # --- tenants: what requests of different users share (docs/serving.md, "cache_salt")
+    cache_salt: Optional[str] = Field(
+        default=None,
+        description="This object's requests' cache salt (a tenant's name, say); a call may pass its own "
+        "(cache_salt=...; '' for none). Requests with different salts share no cached K/V of their prompts or "
+        "answers (prefix cache, segment cache); the same salt, or none, share as before. Sent to the server "
+        "with base_url. None: the shared namespace.",
+    )
+    chunk_sharing: Literal["shared", "per_salt"] = Field(
+        default="shared",
+        description="Whether cache salts share the chunk store: 'shared' (a common corpus is warmed once; a chunk's "
+        "K/V comes from its text alone, so another salt learns only whether a chunk was seen, by its hits) or "
+        "'per_salt' (each salt's chunks keyed apart, for tenants whose documents must not be probed). In process "
+        "only: a server has its own (--chunk-sharing).",
     )
     # --- the engine's scheduler, shared by every object on the engine (the last one set wins)
     max_queued_requests: Optional[int] = Field(
@@ -298,6 +334,12 @@ class CacheBlendSettings(PicklesWithoutEngine):
         checked_as_given(values)
         return values
 
+    @model_validator(mode="before")
+    @classmethod
+    def _store_password_apart(cls, values: Any) -> Any:
+        # Before any other check, so that nothing after it sees (or can show) the password in store_path.
+        return password_apart(values, "store_path", "store_password")
+
     @field_validator("store_path")
     @classmethod
     def _store_path_is_usable(cls, value: Optional[str]) -> Optional[str]:
@@ -320,8 +362,11 @@ class CacheBlendSettings(PicklesWithoutEngine):
     @classmethod
     def _base_url_is_http(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"base_url={value!r} must be an http:// or https:// URL of a running `cacheblend-rag "
-                             "serve`, e.g. http://127.0.0.1:8000, or None to load the model in process")
+            raise ValueError(f"base_url={redact(value)!r} must be an http:// or https:// URL of a running "
+                             "`cacheblend-rag serve`, e.g. http://127.0.0.1:8000, or None to load the model in process")
+        if value is not None and split_password(value)[1] is not None:  # it would show in repr, dumps and traces
+            raise ValueError(f"base_url={redact(value)!r} carries a password; the server takes a key: pass it as "
+                             "api_key= (or $CACHEBLEND_API_KEY) and drop it from the URL")
         return value
 
     @field_validator("chat_template_kwargs", mode="before")
@@ -393,9 +438,11 @@ class CacheBlendSettings(PicklesWithoutEngine):
         if self.chunk_cache is None:
             prefix = default_conditioning_prefix(engine.tokenizer) if self.conditions_chunks else ()
             key = self.store_key.get_secret_value() if self.store_key is not None else None
+            password = self.store_password.get_secret_value() if self.store_password is not None else None
             self.chunk_cache = chunk_cache_for(engine, self.store_path, prefix_ids=prefix,
                                                size_limit=self.store_size_limit, storage_dtype=self.storage_dtype,
-                                               auth_key=key, resident_bytes=self.resident_bytes)
+                                               auth_key=key, resident_bytes=self.resident_bytes,
+                                               store_password=password)
         prefix_cache = prefix_cache_for(engine, self.chunk_cache, parse_size(self.prefix_cache_bytes),
                                         in_store=self.prefix_cache_in_store)
         segment_cache = segment_cache_for(engine, parse_size(self.segment_cache_bytes))
@@ -404,7 +451,8 @@ class CacheBlendSettings(PicklesWithoutEngine):
         if limits:
             scheduler_for(engine).configure(**limits)
         return BlendService(engine, self.chunk_cache, AnnouncedChunks(self.max_announced_chunks), prefix_cache,
-                            segment_cache)
+                            segment_cache, chunk_sharing=self.chunk_sharing,
+                            document_special_tokens=self.document_special_tokens)
 
     # ------------------------------------------------------------------ configs
     @property
@@ -485,7 +533,12 @@ class CacheBlendSettings(PicklesWithoutEngine):
     def run_turn(self, turn: ChatTurn) -> Iterator[TurnEvent]:
         """``turn`` answered in process or by the server at ``base_url``: the same events either way
         (:mod:`~cacheblend_rag.serving.chat_turn`). Remotely, the announced chunk texts found verbatim in the
-        messages go as the request's documents (the server looks for those only)."""
+        messages go as the request's documents (the server looks for those only). A turn without a
+        ``cache_salt`` of its own takes this object's."""
+        if turn.cache_salt is not None and not isinstance(turn.cache_salt, str):
+            raise ConfigError(f"cache_salt={turn.cache_salt!r} must be a string (a tenant's name, say), '' for none")
+        if turn.cache_salt is None and self.cache_salt:
+            turn = replace(turn, cache_salt=self.cache_salt)
         if self.base_url is None:
             return run_turn(self, turn)
         if not turn.documents:
@@ -509,9 +562,9 @@ class CacheBlendSettings(PicklesWithoutEngine):
         """Compute and store the KV of the chunk texts the store lacks; ``for_request``: for the coming
         request (the retrieval side at query time), whose stats then count those chunks apart."""
         if self.base_url is not None:
-            counts = self.remote.warm(texts)
+            counts = self.remote.warm(texts, cache_salt=self.cache_salt)
             return WarmSummary(new=int(counts.get("computed") or 0), present=int(counts.get("already_stored") or 0))
-        summary = self._service.warm(texts, show_progress=show_progress)
+        summary = self._service.warm(texts, show_progress=show_progress, salt=self.cache_salt or "")
         if for_request:
             self._service.announced.note_computed(summary.computed)
         return summary

@@ -53,22 +53,30 @@ class ChunkWarming:
     _writer: ThreadPoolExecutor
 
     # ------------------------------------------------------------ precompute
-    def _ids(self, item: str | Sequence[int], what: str = "the chunk") -> tuple[int, ...]:
-        return tuple(self.engine.tokenize(item, what=what)) if isinstance(item, str) else tuple(int(t) for t in item)
+    def _ids(self, item: str | Sequence[int], what: str = "the chunk", special_tokens: str = "text") -> tuple[int, ...]:
+        if isinstance(item, str):
+            return tuple(self.engine.tokenize(item, what=what, special_tokens=special_tokens))
+        return tuple(int(t) for t in item)
 
     def warm(
         self, items: Iterable[str | Sequence[int]], *, show_progress: bool = False,
-        prefix_ids: Sequence[int] | None = None, lossless: bool = False,
+        prefix_ids: Sequence[int] | None = None, lossless: bool = False, special_tokens: str = "text",
     ) -> WarmSummary:
         """Make sure every chunk (text or token ids) is stored, computing the missing ones in batches,
         behind ``prefix_ids`` (default: this cache's conditioning prefix; ``()`` for a chunk that
         opens prompts, such as a system prompt).
 
+        ``special_tokens``: how special-token strings in a chunk's text are tokenized: ``"text"`` (the
+        default) as the plain text they spell, ``"control"`` as control tokens, for trusted text
+        (:func:`~cacheblend_rag.engine.text.document_ids`). Prompts must find the chunk under the same
+        ids: the integrations and the server tokenize chunks the way their ``document_special_tokens`` says.
+
         A chunk that opens a prompt behind nothing is an exact prefix of the blend (reused as is,
         never recomputed) only if it is stored without loss: warm it with ``lossless=True``, which
         keeps the model's own dtype whatever this cache's codec. Stored at fewer bits it is blended
         like any other chunk."""
-        steps = with_progress(self.warm_steps(items, prefix_ids=prefix_ids, lossless=lossless), show_progress)
+        steps = with_progress(self.warm_steps(items, prefix_ids=prefix_ids, lossless=lossless,
+                                              special_tokens=special_tokens), show_progress)
         while True:
             try:
                 next(steps)
@@ -77,7 +85,7 @@ class ChunkWarming:
 
     def warm_steps(
         self, items: Iterable[str | Sequence[int]], *, prefix_ids: Sequence[int] | None = None,
-        lossless: bool = False,
+        lossless: bool = False, special_tokens: str = "text",
     ) -> Generator[tuple[int, int], None, WarmSummary]:
         """:meth:`warm` one batch per step: yields ``(chunks to compute, chunks computed)`` after
         each batch and returns the summary. A server's scheduler runs a step between two decode
@@ -88,7 +96,7 @@ class ChunkWarming:
         todo: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
         for index, item in enumerate(items):
-            ids = self._ids(item, f"chunk {index}")
+            ids = self._ids(item, f"chunk {index}", special_tokens)
             if not ids:
                 continue
             if ids in seen or self.contains(ids, prefix, fingerprint=fingerprint):

@@ -90,6 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "(about 0.51 of the 16-bit bytes) or int4 (about 0.28); readers must use the same")
     warm.add_argument("--storage-group", type=int, default=DEFAULT_GROUP,
                       help=f"group size of int8/int4 quantization (default {DEFAULT_GROUP})")
+    warm.add_argument("--document-special-tokens", choices=["text", "control"], default="text",
+                      help="special-token strings in a chunk (<|im_end|>, say) as plain text (default) or as control "
+                           "tokens (trusted text only); readers must use the same (document_special_tokens)")
     warm.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     warm.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
@@ -220,8 +223,11 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         if args.shard is not None:
             index, count = args.shard
             fingerprint = engine.fingerprint
-            texts = [t for t in texts if shard_of(cache.key_for(engine.tokenize(t), fingerprint=fingerprint), count) == index]
-        summary = cache.warm(texts, show_progress=not args.no_progress)
+            special = args.document_special_tokens
+            texts = [t for t in texts
+                     if shard_of(cache.key_for(engine.tokenize(t, special_tokens=special), fingerprint=fingerprint),
+                                 count) == index]
+        summary = cache.warm(texts, show_progress=not args.no_progress, special_tokens=args.document_special_tokens)
         stats = cache.stats()
         cache.store.close()
     shard = None if args.shard is None else "{}/{}".format(*args.shard)
