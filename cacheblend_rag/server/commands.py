@@ -23,6 +23,7 @@ from typing import Any, Callable
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.server.options import DEFAULT_GRACEFUL_SHUTDOWN_S, ServerConfig, default_store_path
+from cacheblend_rag.store.urls import redact
 
 API_KEY_VARIABLE = "CACHEBLEND_API_KEY"
 
@@ -150,7 +151,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
     except (ConfigError, ValueError) as exc:
-        print(f"cacheblend-rag serve: {exc}", file=sys.stderr)
+        print(f"cacheblend-rag serve: {redact(exc)}", file=sys.stderr)
         return 2
     try:
         sock = bind_socket(args.host, args.port)
@@ -173,8 +174,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     state = app.state.server
     if state.error is not None:
-        print(f"cacheblend-rag serve: the model could not be loaded: {type(state.error).__name__}: {state.error}",
-              file=sys.stderr)
+        print(f"cacheblend-rag serve: the model could not be loaded: {type(state.error).__name__}: "
+              f"{redact(state.error)}", file=sys.stderr)
         return 1
     return 0
 

@@ -3,9 +3,11 @@
 Two kinds of numbers. Those the server counts as requests pass (requests by route and status, latency and
 time to first token, prompt tokens by where their K/V came from, chunk hits and misses, fallbacks to full
 prefill, errors by code) are counters and histograms updated per request. Those the engine and store keep
-(the scheduler's queue depth and running requests, the store's hits, misses and failures) are read when
-scraped (:class:`_LiveCollector`), so they never drift from what ``cacheblend-rag cache stats`` and
-``RequestScheduler.stats()`` say. Its own registry per app lets a test process build several apps.
+(the scheduler's queue depth and running requests, the store's hits, misses and failures, the prefix and
+segment caches' state and hits) are read when scraped (:class:`_LiveCollector`), so they never drift from
+what ``cacheblend-rag cache stats`` and ``BlendService.stats()`` say; they are for the operator, and no
+response's stats carry them (one user would see another's requests in them). Its own registry per app lets
+a test process build several apps.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class _LiveCollector(Collector):
             return
         yield from _scheduler_metrics(settings.service.scheduler.stats())
         yield from _store_metrics(settings.service.chunk_cache.stats())
+        yield from _reuse_cache_metrics(settings.service)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -153,6 +156,29 @@ def _store_metrics(stats: Any) -> Iterator[Metric]:
     yield _counter("cacheblend_store_write_backs_dropped", "Missed chunks not written back: the write-back queue "
                    "was full (a slow store)", stats.write_backs_dropped)
     yield _counter("cacheblend_store_evictions", "Chunks evicted to keep the store's bound", stats.evictions)
+
+
+
+def _reuse_cache_metrics(service: Any) -> Iterator[Metric]:
+    """The prefix cache's and segment cache's state and hits over all requests (nothing for one that is off)."""
+    prefix, segment = service.prefix_cache, service.segment_cache
+    if prefix is not None:
+        held = prefix.stats()
+        yield _gauge("cacheblend_prefix_cache_blocks", "Blocks the prefix cache holds", held.blocks)
+        yield _gauge("cacheblend_prefix_cache_bytes", "Bytes the prefix cache holds", held.bytes)
+        yield _counter("cacheblend_prefix_cache_hits", "Prefix-cache lookups that reused at least one block", held.hits)
+        yield _counter("cacheblend_prefix_cache_misses", "Prefix-cache lookups that reused none", held.misses)
+        yield _counter("cacheblend_prefix_cache_hit_tokens", "Prompt tokens the prefix cache served", held.hit_tokens)
+        yield _counter("cacheblend_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                       held.queried_tokens)
+        yield _counter("cacheblend_prefix_cache_evictions", "Blocks evicted to keep the prefix cache's bound",
+                       held.evictions)
+    if segment is not None:
+        spans = segment.stats()
+        yield _gauge("cacheblend_segment_cache_entries", "Spans the segment cache holds", spans.entries)
+        yield _gauge("cacheblend_segment_cache_bytes", "Bytes the segment cache holds", spans.bytes)
+        yield _counter("cacheblend_segment_cache_hits", "Spans the segment cache served", spans.hits)
+        yield _counter("cacheblend_segment_cache_hit_tokens", "Tokens the segment cache served", spans.hit_tokens)
 
 
 __all__ = ["ROUTES", "ServerMetrics", "route_label"]

@@ -10,6 +10,9 @@ conditioning prefix. :class:`SegmentCache` keeps it and a later prompt's span th
 same tokens becomes a :class:`~cacheblend_rag.engine.segments.CachedSegment` (marked
 ``approximate``, so it is never taken for an exact prefix), blended with the chunks.
 
+Spans are kept per cache salt (a request's ``cache_salt``, ``""`` for none): a span's K/V attended to
+its request's documents, which may be private, so a request is served only spans of its own salt.
+
 What is kept: each fresh span of a finished request that follows its first chunk and is at least
 ``min_tokens`` long, the last one with the answer's tokens after it (the next turn shows the answer
 as history). Its keys are rotated back to before RoPE (a chunk's form; the rounding that adds is
@@ -80,18 +83,20 @@ class SegmentCache:
         self.min_tokens = min_tokens
         self.min_partial_tokens = max(min_tokens, min_partial_tokens)
         self.fingerprint = fingerprint
-        self._spans: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()  # least recently used first
+        # (salt, token ids) -> K/V, least recently used first: one bound for every salt
+        self._spans: OrderedDict[tuple[str, tuple[int, ...]], ChunkKV] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._counts = SegmentCacheStats(max_bytes=max_bytes)
 
-    def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None) -> ChunkKV | None:
-        """The remembered K/V of the longest opening of ``token_ids`` (at most ``max_tokens``) that a kept
-        span shares, if it is at least ``min_tokens`` long (``min_partial_tokens`` where it stops inside
-        the kept span and the prompt goes on differently); ``None`` otherwise."""
+    def match(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None,
+              salt: str = "") -> ChunkKV | None:
+        """The remembered K/V of the longest opening of ``token_ids`` (at most ``max_tokens``) that a span
+        kept under ``salt`` shares, if it is at least ``min_tokens`` long (``min_partial_tokens`` where it
+        stops inside the kept span and the prompt goes on differently); ``None`` otherwise."""
         ids = self._query(token_ids, fingerprint, max_tokens)
         with self._lock:
-            best, length = self._best_locked(ids)
+            best, length = self._best_locked(ids, salt)
             if best is None:
                 return None
             self._spans.move_to_end(best)
@@ -101,31 +106,34 @@ class SegmentCache:
         return ChunkKV(ids[:length], [k[:, :length] for k in chunk.keys], [v[:, :length] for v in chunk.values],
                        model_fingerprint=chunk.model_fingerprint, approximate=True)
 
-    def reach(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None) -> int:
+    def reach(self, token_ids: Sequence[int], fingerprint: str, *, max_tokens: int | None = None,
+              salt: str = "") -> int:
         """How many tokens :meth:`match` would reuse (0 for none), touching nothing and counting nothing."""
         ids = self._query(token_ids, fingerprint, max_tokens)
         with self._lock:
-            return self._best_locked(ids)[1]
+            return self._best_locked(ids, salt)[1]
 
     def _query(self, token_ids: Sequence[int], fingerprint: str, max_tokens: int | None) -> tuple[int, ...]:
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         return tuple(token_ids[:limit]) if fingerprint == self.fingerprint and limit >= self.min_tokens else ()
 
-    def _best_locked(self, ids: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
-        """The kept span sharing the longest servable opening with ``ids`` and its length; ``(None, 0)`` if
-        none shares ``min_tokens`` (``min_partial_tokens`` for an opening that stops inside both)."""
+    def _best_locked(self, ids: tuple[int, ...], salt: str) -> tuple[tuple[str, tuple[int, ...]] | None, int]:
+        """The span kept under ``salt`` sharing the longest servable opening with ``ids`` and its length;
+        ``(None, 0)`` if none shares ``min_tokens`` (``min_partial_tokens`` for one that stops inside both)."""
         best, length = None, 0
         for key in self._spans if ids else ():
-            n = _common_length(key, ids)
-            partial = n < len(key) and n < len(ids)
+            if key[0] != salt:
+                continue
+            n = _common_length(key[1], ids)
+            partial = n < len(key[1]) and n < len(ids)
             if n > length and n >= (self.min_partial_tokens if partial else self.min_tokens):
                 best, length = key, n
         return best, length
 
     def remember(self, token_ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                 fingerprint: str) -> bool:
-        """Keep ``token_ids`` with per-layer keys (before RoPE) and values ``[kv_heads, n, head_dim]``
-        (copied). False when it is too short, of another model or larger than the bound."""
+                 fingerprint: str, *, salt: str = "") -> bool:
+        """Keep ``token_ids`` under ``salt`` with per-layer keys (before RoPE) and values ``[kv_heads, n,
+        head_dim]`` (copied). False when it is too short, of another model or larger than the bound."""
         ids = tuple(int(t) for t in token_ids)
         if fingerprint != self.fingerprint or len(ids) < self.min_tokens or not keys:
             return False
@@ -135,17 +143,17 @@ class SegmentCache:
         if size > self.max_bytes:
             return False
         with self._lock:
-            old = self._spans.pop(ids, None)
+            old = self._spans.pop((salt, ids), None)
             if old is not None:
                 self._bytes -= old.nbytes
-            # A span the new one opens with says nothing the new one does not: drop it.
-            for key in [k for k in self._spans if len(k) <= len(ids) and ids[: len(k)] == k]:
+            # A span of this salt the new one opens with says nothing the new one does not: drop it.
+            for key in [(s, k) for s, k in self._spans if s == salt and len(k) <= len(ids) and ids[: len(k)] == k]:
                 self._bytes -= self._spans.pop(key).nbytes
             while self._spans and self._bytes + size > self.max_bytes:
                 _, evicted = self._spans.popitem(last=False)
                 self._bytes -= evicted.nbytes
                 self._counts.evictions += 1
-            self._spans[ids] = chunk
+            self._spans[(salt, ids)] = chunk
             self._bytes += size
         return True
 

@@ -89,7 +89,9 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         engine: an already built ``CacheBlendEngine`` to use instead of loading ``model``.
         store_path: folder of a persistent chunk KV store (any ``cacheblend_rag.store.open_store``
             spec also works, e.g. ``"tiered:PATH"`` or ``"redis://..."``); unset keeps chunk KV
-            in memory. Chat models on the same engine and store share one chunk cache.
+            in memory. Chat models on the same engine and store share one chunk cache. A URL's
+            password moves to ``store_password`` (a secret, else ``$CACHEBLEND_STORE_PASSWORD``):
+            ``store_path`` reads ``redis://:***@host/0`` in repr, dumps, traces and cache keys.
         device, dtype: where and in what precision to load the model.
         chat_template_kwargs: variables of the chat template (``{"enable_thinking": False}`` for Qwen3).
 
@@ -172,7 +174,9 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
-        return {"store_key": "CACHEBLEND_STORE_KEY", "api_key": "CACHEBLEND_API_KEY"}
+        # dumps writes a placeholder for each; loads(secrets_map=...) fills it, else the field's variable does.
+        return {"store_key": "CACHEBLEND_STORE_KEY", "api_key": "CACHEBLEND_API_KEY",
+                "store_password": "CACHEBLEND_STORE_PASSWORD"}
 
     @property
     def _llm_type(self) -> str:

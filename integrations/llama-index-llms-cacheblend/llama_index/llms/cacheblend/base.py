@@ -58,7 +58,9 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     With ``base_url`` nothing is loaded here: every call (``complete``, ``chat``, streaming, async, tools,
     structured output) is a request to the server, the postprocessor's nodes go to it as the request's
     documents and are warmed in its store, and responses carry the server's stats in the same places.
-    ``api_key`` (else ``$CACHEBLEND_API_KEY``) is never in ``repr``, ``to_dict`` or ``to_json``.
+    ``api_key`` (else ``$CACHEBLEND_API_KEY``) is never in ``repr``, ``to_dict`` or ``to_json``; nor is the
+    password of a ``store_path`` URL, which moves to ``store_password`` (else ``$CACHEBLEND_STORE_PASSWORD``):
+    ``store_path`` then reads ``redis://:***@host/0``, and ``from_dict`` of a ``to_dict`` takes the variable.
 
     The model, store and blending fields are shared with LangChain's ``ChatCacheBlend``
     (:class:`cacheblend_rag.serving.CacheBlendSettings`). Set ``reuse_chunk_kv=False`` for the
