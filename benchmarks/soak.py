@@ -12,8 +12,9 @@ engine and scheduler. docs/operations.md ("Soak") says what each phase does and 
 
 Invariants (the exit code): no hangs; every control answer (ratio 1.0) equal to full prefill's; every error
 a clear one (a CacheBlendError with a message); no healthy entry lost; the counter identity; RSS growth
-after the warm-up under 5%; open files and threads flat; and, unless ``--no-timing``, p99 TTFT back within
-20% of healthy within 5 s of each fault clearing (contended machines fail this one first).
+under 5% from the warm-up's end to the end, each read with nothing running (a lull after the warm-up);
+open files and threads flat; and, unless ``--no-timing``, p99 TTFT back within 20% of healthy within 5 s
+of each fault clearing (contended machines fail this one first).
 """
 
 from __future__ import annotations
@@ -151,11 +152,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         faults.start()
         end = args.minutes * 60
         soak_report.wait_until(warmup_end, traffic.now)
+        traffic.pause()  # a lull: RSS read with nothing running (Sampler.settled), then the faults' traffic
+        settled_at_warmup = sampler.settled(timeout_s=args.deadline)
         mappings_at_warmup = sampler.rss_by_mapping()
+        traffic.resume()
         soak_report.wait_until(end, traffic.now)
-        mappings_at_end = sampler.rss_by_mapping()
         records = [r.to_dict() for r in traffic.stop(grace_s=args.deadline)]
         faults.join(30)
+        settled_at_end = sampler.settled(timeout_s=args.deadline)
+        mappings_at_end = sampler.rss_by_mapping()
         sampler.sample()
         sampler.stop()
         env.chunk_cache.flush()
@@ -199,7 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "for bit, and a greedy answer on the edge flips; the control stream looks for answers that "
                        "faults and load change"},
             "identity": _identity(ledger, counters_before, counters_after, records),
-            "resources": soak_report.resource_verdict(sampler.samples, warmup_end, end),
+            "resources": soak_report.resource_verdict(sampler.samples, warmup_end, end,
+                                                      (settled_at_warmup, settled_at_end)),
             "rss_growth_by_mapping_mb": _growth(mappings_at_warmup, mappings_at_end),
             "scheduler": scheduler.stats(), "fault_injection_errors": faults.errors,
             "samples": sampler.samples,

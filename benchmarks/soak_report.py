@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from cacheblend_rag.serving.memory_trim import release_free_memory
+
 RECOVERY_WITHIN_S = 5.0  # p99 back within RECOVERY_MARGIN of healthy this soon after a fault clears
 RECOVERY_MARGIN = 1.2
 RSS_GROWTH_LIMIT = 0.05
@@ -132,6 +134,27 @@ class Sampler:
         while not self._stop.wait(1.0):
             self.sample()
 
+    def settled(self, timeout_s: float) -> dict[str, Any]:
+        """RSS with no request running or queued, after the freed heap went back to the system (as the scheduler
+        does when it goes idle): the process's own memory without the requests' activations and K/V. Read the
+        same way in a lull at the warm-up's end and after the traffic stops, the two tell a leak from the swing
+        RSS makes with the requests in flight (1.27-1.47 GB on SmolLM2 in float32 on a 2-core EPYC, up to six
+        blends at once; a reading at a burst's peak failed a two-minute run at +8.8%)."""
+        began = time.monotonic()
+        idle = False
+        while not idle and time.monotonic() - began < timeout_s:
+            queue = self.scheduler.stats()
+            idle = not queue.get("running") and not queue.get("queued", queue.get("waiting"))
+            if not idle:
+                time.sleep(0.05)
+        trimmed = release_free_memory()
+        readings = []
+        for _ in range(3):
+            time.sleep(0.1)
+            readings.append(self._process_numbers()[0])
+        return {"t": round(self.now(), 2), "rss_bytes": int(statistics.median(readings)), "idle": idle,
+                "waited_s": round(time.monotonic() - began, 2), "trimmed": trimmed}
+
 
 def _ttfts(records: list[dict[str, Any]]) -> list[float]:
     return [r["ttft"] for r in records if r["ttft"] is not None and r["outcome"] in ("answer", "cancelled")]
@@ -204,19 +227,27 @@ def phase_rows(records: list[dict[str, Any]], phases: list[dict[str, Any]], samp
     return rows, healthy_p99
 
 
-def resource_verdict(samples: list[dict[str, Any]], warmup_end: float, end: float) -> dict[str, Any]:
-    """RSS, open files and threads at the warm-up's end (median of its last 3 s) against the soak's end (median
-    of its last 5 s)."""
+def resource_verdict(samples: list[dict[str, Any]], warmup_end: float, end: float,
+                     settled: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    """RSS growth idle to idle (``settled``: :meth:`Sampler.settled` in the warm-up's lull and after the traffic
+    stopped), what RSS did with the requests running (the medians of the warm-up's last 3 s and the soak's last
+    5 s, the range after the warm-up), and open files and threads at the same two medians."""
     def median_of(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(s[key] for s in rows)
 
     base = [s for s in samples if warmup_end - 3 <= s["t"] <= warmup_end] or samples[:1]
     last = [s for s in samples if s["t"] >= end - 5] or samples[-1:]
     after = [s for s in samples if s["t"] > warmup_end] or samples
-    rss0, rss1 = median_of(base, "rss_bytes"), median_of(last, "rss_bytes")
-    return {"rss_warmup_mb": round(rss0 / 2**20, 1), "rss_end_mb": round(rss1 / 2**20, 1),
-            "rss_max_after_warmup_mb": round(max(s["rss_bytes"] for s in after) / 2**20, 1),
-            "rss_growth": round(rss1 / rss0 - 1, 4),
+    busy0, busy1 = median_of(base, "rss_bytes"), median_of(last, "rss_bytes")
+    idle0, idle1 = settled[0]["rss_bytes"], settled[1]["rss_bytes"]
+    busy_range = [round(min(s["rss_bytes"] for s in after) / 2**20, 1),
+                  round(max(s["rss_bytes"] for s in after) / 2**20, 1)]
+    return {"rss_warmup_mb": round(idle0 / 2**20, 1), "rss_end_mb": round(idle1 / 2**20, 1),
+            "rss_growth": round(idle1 / idle0 - 1, 4),
+            "rss_settled": {"warmup": settled[0], "end": settled[1]},
+            "rss_busy_warmup_mb": round(busy0 / 2**20, 1), "rss_busy_end_mb": round(busy1 / 2**20, 1),
+            "rss_busy_growth": round(busy1 / busy0 - 1, 4), "rss_range_after_warmup_mb": busy_range,
+            "rss_max_after_warmup_mb": busy_range[1],
             "fds_warmup": median_of(base, "fds"), "fds_end": median_of(last, "fds"),
             "fds_max": max(s["fds"] for s in after),
             "threads_warmup": median_of(base, "threads"), "threads_end": median_of(last, "threads"),
@@ -238,8 +269,10 @@ def invariants(report: dict[str, Any], *, timing: bool) -> dict[str, tuple[bool,
         "no healthy entry lost": (not entries["lost"], f"{len(entries['lost'])} lost of {entries['before']}"),
         "counter identity": (identity["holds"], identity["summary"]),
         "RSS growth after warm-up < 5%": (resources["rss_growth"] < RSS_GROWTH_LIMIT,
-                                          f"{resources['rss_growth']:+.1%} ({resources['rss_warmup_mb']} -> "
-                                          f"{resources['rss_end_mb']} MB)"),
+                                          f"{resources['rss_growth']:+.1%} idle to idle "
+                                          f"({resources['rss_warmup_mb']} -> {resources['rss_end_mb']} MB; "
+                                          f"{resources['rss_busy_growth']:+.1%} busy, range "
+                                          f"{resources['rss_range_after_warmup_mb']} MB)"),
         "open files flat": (resources["fds_end"] - resources["fds_warmup"] <= FLAT_SLACK,
                             f"{resources['fds_warmup']} -> {resources['fds_end']} (max {resources['fds_max']})"),
         "threads flat": (resources["threads_end"] - resources["threads_warmup"] <= FLAT_SLACK,

@@ -71,6 +71,8 @@ class Traffic:
         self.records: list[Record] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared for a lull: no new arrivals (pause / resume)
+        self._go.set()
         self._threads: list[threading.Thread] = []
         self._cold = 0
 
@@ -106,6 +108,14 @@ class Traffic:
             thread.start()
             self._threads.append(thread)
 
+    def pause(self) -> None:
+        """No new arrivals until :meth:`resume`; requests in flight finish. The lull in which the soak reads RSS
+        with nothing running, at the warm-up's end."""
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
+
     def stop(self, grace_s: float) -> list[Record]:
         """Stop sending; wait up to ``grace_s`` for requests in flight. One still running then is a hang."""
         self._stop.set()
@@ -128,6 +138,12 @@ class Traffic:
                 next_at += rng.expovariate(self.rate / len(CLIENTS) * self.burst)
                 if self._stop.wait(max(0.0, next_at - self.now())):
                     return
+                if not self._go.is_set():  # a lull: this arrival is not sent, and the schedule restarts after it
+                    while not self._go.wait(0.1):
+                        if self._stop.is_set():
+                            return
+                    next_at = self.now()
+                    continue
                 next_at = max(next_at, self.now() - 1.0)  # a client behind its schedule does not catch up in a rush
                 prompt, passages, turns = self._prompt(rng, kind, history)
                 record = Record(index, framework, mode, kind, round(self.now(), 3), passages)

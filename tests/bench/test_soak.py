@@ -1,8 +1,8 @@
 """The soak of docs/operations.md ("Soak", benchmarks/soak.py) for 60 seconds: 16 clients through LangChain and
 LlamaIndex on SmolLM2 while every fault of the schedule runs once (shorter than in the 10-minute soak), and every
 invariant but the timing one holds: no hangs, the control stream's answers at ratio 1.0 equal full prefill's, every
-error a clear one, no healthy entry lost, the counter identity, RSS growth after the warm-up under 5%, open files
-and threads flat. The recovery-time invariant (p99 back within 20% of healthy within 5 s) is left out (``--no-timing``):
+error a clear one, no healthy entry lost, the counter identity, RSS growth under 5% from a lull after the warm-up to
+the end (each read with nothing running), open files and threads flat. The recovery-time invariant (p99 back within 20% of healthy within 5 s) is left out (``--no-timing``):
 a minute leaves a few seconds after each fault and the test machine is shared. The schedule's pieces, which cost
 nothing, are checked without a model."""
 
@@ -58,10 +58,11 @@ def test_a_one_minute_soak_holds_every_invariant_but_timing(tmp_path):
     table = subprocess.run([sys.executable, str(SCRIPT), "--table", str(out)], capture_output=True, text=True,
                            check=True, cwd=REPO).stdout
     assert table.count("\n| ") == 1 + len(FAULTS)  # a row for the warm-up and one for each fault
-    # RSS over one minute is the allocator's high-water marks as much as growth: +1.5% on the 2-core AMX Xeon it was
-    # tuned on, +6.1-7.0% on a 2-core AMD EPYC (float32) on this commit and on e885cc4 before the HTTP server alike.
-    # The ten-minute soak (docs/operations.md) holds the 5% bound; a minute may take twice that, no more.
-    failed = {name: what for name, (ok, what) in report["invariants"].items() if not ok and not name.startswith("RSS")}
-    assert not failed and done.returncode in (0, 1), (failed, done.stderr[-3000:])
-    rss = report["resources"]["rss_growth"]
-    assert rss < 2 * RSS_GROWTH_LIMIT, (rss, report["rss_growth_by_mapping_mb"])
+    # RSS is read idle to idle (a lull after the warm-up, and after the traffic stops): a 1-minute run on a 2-core
+    # AMD EPYC in float32 grew +2.1% so (1,263 to 1,290 MB) while its busy medians said +8.6% and RSS ranged over
+    # 1.26-1.51 GB with the blends in flight; the busy figures are reported, not judged.
+    failed = {name: what for name, (ok, what) in report["invariants"].items() if not ok}
+    assert not failed and done.returncode == 0, (failed, report["rss_growth_by_mapping_mb"], done.stderr[-3000:])
+    resources = report["resources"]
+    assert resources["rss_settled"]["warmup"]["idle"] and resources["rss_settled"]["end"]["idle"]
+    assert resources["rss_growth"] < RSS_GROWTH_LIMIT and "rss_busy_growth" in resources
