@@ -46,11 +46,13 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
 from cacheblend_rag.store.disk_index import (
     INDEX_FILES,
+    PRIVATE_FOLDER,
     VALUE_FILE,
     BytesOnlyDisk,
     ReadOnlyIndex,
     TrackedCache,
     is_damage,
+    private_index,
     write_trouble,
 )
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
@@ -83,6 +85,19 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return info.st_dev, info.st_ino
+
+
+def _warn_if_others_can_read(path: Path) -> None:
+    """A store folder made before folders were private (or by hand) is left as it is, with a warning if every
+    user of the machine may look into it: its layer-0 K/V gives the chunks' text back."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o007:
+        logger.warning("the disk KV store folder %s has mode %o: other users of this machine can read it, and its "
+                       "chunk K/V gives the documents' text back; run `chmod -R go-rwx %s` (new stores are made "
+                       "0o700, their files 0o600)", path, mode, path)
 
 
 class WritesSkippedError(StoreError):
@@ -119,10 +134,13 @@ class DiskKVStore(KVStore):
         self._unfinished: list[tuple[str, str, int]] = []  # layers of failed writes, removed once writes work
         self._folder_checked_at = 0.0
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            existed = self.path.is_dir()
+            self.path.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot open the disk KV store at {self.path}: {exc}. Check that the directory can be "
                              "created and written, or pass another path") from exc
+        if existed:
+            _warn_if_others_can_read(self.path)
         self._cache, self._counter_cache = self._open_indexes()
 
     # ------------------------------------------------------------- opening
@@ -143,6 +161,7 @@ class DiskKVStore(KVStore):
         return cache
 
     def _writable_index(self, folder: Path, **settings: Any) -> TrackedCache:
+        private_index(folder)
         return TrackedCache(str(folder), disk=BytesOnlyDisk, size_limit=_NO_LIMIT, eviction_policy="none",
                             statistics=False, timeout=self._timeout, **settings)
 
@@ -212,7 +231,7 @@ class DiskKVStore(KVStore):
                            "opening the store anew there", self.path / "cache.db")
             old = (self._cache, self._counter_cache)
             with contextlib.suppress(OSError):
-                self.path.mkdir(parents=True, exist_ok=True)
+                self.path.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
             self._cache, self._counter_cache = self._open_indexes()
             self._unfinished.clear()  # their index is gone
         for index in old:

@@ -47,6 +47,29 @@ _DAMAGE_WORDS = ("malformed", "not a database", "file is encrypted")
 _FULL_BELOW = 1 << 20
 
 
+# A store's folders are made 0o700 and its files 0o600, whatever the umask (diskcache follows it: 0o755 and
+# 0o644 under the usual 022): layer 0's K/V gives a chunk's text back, so the store must be as private as the
+# documents. SQLite makes an index's -wal and -shm files with the index's own mode.
+PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
+
+
+def private_folder(folder: str | Path) -> None:
+    """Create ``folder`` (its parent exists) for its owner alone; one that exists is left as it is."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, PRIVATE_FOLDER)
+
+
+def private_index(folder: Path) -> None:
+    """``folder`` and an empty ``cache.db`` in it (SQLite takes an empty file for a new database), both private,
+    before diskcache opens them; an index that exists keeps its mode (and is never opened for writing here:
+    on a read-only file system it is read, not created)."""
+    private_folder(folder)
+    index = folder / "cache.db"
+    if not index.exists():
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(index, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE))
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc``, raised opening or reading an index, says the index itself is damaged."""
     if not isinstance(exc, sqlite3.DatabaseError):
@@ -78,6 +101,16 @@ def write_trouble(folder: Path, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def write_all(fd: int, iterator: Any) -> int:
+    """Write the chunks of ``iterator`` to the file ``fd`` and close it; the bytes written."""
+    with os.fdopen(fd, "wb") as writer:
+        size = 0
+        for chunk in iterator:
+            size += len(chunk)
+            writer.write(chunk)
+    return size
+
+
 class BytesOnlyDisk(diskcache.Disk):
     """diskcache serialization that stores bytes (and counter ints) raw, never unpickles, and reads or
     deletes only value files diskcache itself would have made inside the store directory."""
@@ -100,10 +133,25 @@ class BytesOnlyDisk(diskcache.Disk):
         return stored
 
     def _write(self, full_path: str, iterator: Any, mode: str, encoding: str | None = None) -> int:
+        """diskcache's ``_write`` (make the folders, open the new file, ten tries: another process may remove an
+        empty folder meanwhile), with private folders and files. Only bytes reach here (:meth:`store`)."""
+        if mode != "xb":
+            raise TypeError(f"the KV store writes value files in binary only, not mode {mode!r}")
+        folder = os.path.dirname(full_path)
+        for attempt in range(1, 11):
+            try:
+                private_folder(os.path.dirname(folder))
+                private_folder(folder)
+                fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                             PRIVATE_FILE)
+                break
+            except FileNotFoundError:
+                if attempt == 10:
+                    raise
         try:
-            return super()._write(full_path, iterator, mode, encoding)
+            return write_all(fd, iterator)
         except BaseException:
-            # Opened with "x": a file here is this write's own, partly written (ENOSPC, say).
+            # Created here (O_EXCL): this write's own file, partly written (ENOSPC, say).
             with contextlib.suppress(OSError):
                 os.remove(full_path)
             raise

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
-from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store import ChunkCache, DiskKVStore, disk_index
 
 from kvstore_samples import TEXTS as SAMPLES  # noqa: E402
 
@@ -134,9 +134,8 @@ def test_a_store_full_at_open_takes_writes_again_once_there_is_room(engine, warm
 
 
 # ------------------------------------------------------------------ full disk during write-back
-def _partial_then_enospc(self, full_path, iterator, mode, encoding=None):
-    os.makedirs(os.path.dirname(full_path), exist_ok=True)
-    with open(full_path, mode) as f:  # half the value, then the disk is full
+def _partial_then_enospc(fd, iterator):
+    with os.fdopen(fd, "wb") as f:  # half the value, then the disk is full
         data = b"".join(iterator)
         f.write(data[: len(data) // 2])
     raise OSError(errno.ENOSPC, "No space left on device")
@@ -154,7 +153,7 @@ def test_write_back_on_a_full_disk_leaves_no_file_and_deletes_nothing(engine, wa
     cache = ChunkCache(engine, store, storage_dtype="float32")
     with monkeypatch.context() as full, caplog.at_level(logging.WARNING):
         if where == "value file":
-            full.setattr(diskcache.core.Disk, "_write", _partial_then_enospc)
+            full.setattr(disk_index, "write_all", _partial_then_enospc)
         else:
             full.setattr(diskcache.core.Cache, "_row_insert", _insert_full)
         result = engine.blend(stored, store=cache, config=CONFIG)
