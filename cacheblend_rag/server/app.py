@@ -28,8 +28,11 @@ from cacheblend_rag.server.metrics import ServerMetrics
 from cacheblend_rag.server.middleware import ServerGate
 from cacheblend_rag.server.options import ServerConfig
 from cacheblend_rag.server.protocol import ChatCompletionRequest, WarmRequest
+from cacheblend_rag.server.schemas import (CHAT_ERRORS, READ_ERRORS, STREAM_EVENT, WARM_ERRORS, ChatCompletion, Health,
+                                           ModelList, WarmResponse, errors)
 from cacheblend_rag.server.state import FAILED, READY, ServerState
 from cacheblend_rag.serving.settings import CacheBlendSettings
+from cacheblend_rag.store.urls import redact
 
 
 def create_app(source: Union[CacheBlendSettings, ServerConfig, None] = None, *,
@@ -70,7 +73,11 @@ def _ready(state: ServerState) -> CacheBlendSettings:
 
 
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
-    @app.post("/v1/chat/completions")
+    # What each route answers is declared for the OpenAPI schema (schemas.py), the stream's media type too.
+    @app.post("/v1/chat/completions", responses={
+        **CHAT_ERRORS, 200: {"model": ChatCompletion, "description": "The answer; with \"stream\": true, "
+                             "Server-Sent Events of chat.completion.chunk objects, then [DONE]",
+                             "content": {"text/event-stream": {"schema": STREAM_EVENT}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _ready(state)
         if body.model not in (None, state.name):
@@ -78,7 +85,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
                            param="model", code="model_not_found")
         return await answer(state, metrics, body, request)
 
-    @app.post("/v1/documents/warm")
+    @app.post("/v1/documents/warm", response_model=WarmResponse, responses=WARM_ERRORS)
     async def warm_documents(body: WarmRequest) -> dict[str, Any]:
         settings = _ready(state)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
@@ -92,22 +99,23 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         return {"object": "documents.warm", "documents": len(texts), "computed": summary.new,
                 "already_stored": summary.present, "failed": summary.failed}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=READ_ERRORS)
     async def list_models() -> dict[str, Any]:
         _ready(state)
         return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
                                             "owned_by": "cacheblend-rag", "max_model_len": state.context_window}]}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
     async def health() -> Response:
         if state.status == READY:
             return JSONResponse({"status": "ok"})
         body = {"status": state.status}
         if state.status == FAILED and state.error is not None:
-            body["error"] = f"{type(state.error).__name__}: {state.error}"
+            body["error"] = redact(f"{type(state.error).__name__}: {state.error}")
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={**errors(401), 200: {
+        "description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(await run_in_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)
 

@@ -11,6 +11,7 @@ import time
 from typing import Any, Optional
 
 from cacheblend_rag.server.options import DEFAULT_GRACEFUL_SHUTDOWN_S
+from cacheblend_rag.store.urls import redact
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -77,7 +78,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while not state.ready.wait(0.05):
             if state.error is not None:
-                raise RuntimeError(f"the model failed to load: {type(state.error).__name__}: {state.error}")
+                raise RuntimeError(redact(f"the model failed to load: {type(state.error).__name__}: {state.error}"))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server on {self.url} was not ready within {timeout} s ({state.status})")
 

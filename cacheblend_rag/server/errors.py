@@ -15,6 +15,7 @@ from cacheblend_rag.errors import BlendInputError, CacheBlendError
 from cacheblend_rag.serving.admission import KVBudgetError
 from cacheblend_rag.serving.request_handle import RequestCancelled
 from cacheblend_rag.serving.scheduler import SchedulerFullError
+from cacheblend_rag.store.urls import redact
 
 INVALID = "invalid_request_error"
 # Seconds a client told "queue full" waits before it tries again (Retry-After).
@@ -27,6 +28,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = INVALID, param: Optional[str] = None,
                  code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        message = redact(message)  # an exception's text may quote a URL: the response never shows its password
         super().__init__(message)
         self.status = status
         self.message = message

@@ -41,10 +41,11 @@ class ServerConfig:
     ``dtype``, ``reuse_chunk_kv``, ``max_queued_requests``, ``kv_budget_bytes``...), and the HTTP side."""
 
     model: str = DEFAULT_MODEL_NAME
-    store: Optional[str] = None
+    # Out of the repr: a store URL's password and the key (the settings loaded from it show the store masked).
+    store: Optional[str] = field(default=None, repr=False)
     settings: dict[str, Any] = field(default_factory=dict)
     served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)
     # None: BODY_BYTES_PER_TOKEN x the context window + MAX_BODY_SLACK, known once the model is loaded.
     max_body_bytes: Optional[int] = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS

@@ -23,6 +23,7 @@ from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens
 from cacheblend_rag.server.options import ServerConfig
 from cacheblend_rag.serving.chat_turn import ChatTurn, run_turn
 from cacheblend_rag.serving.settings import CacheBlendSettings
+from cacheblend_rag.store.urls import redact
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ServerState:
             self.ready.set()
             logger.info("serving %s (context window %d)", self.name, self.context_window)
         except BaseException as exc:  # reported by /health and the CLI's exit code
-            logger.error("the model could not be loaded: %s: %s", type(exc).__name__, exc)
+            logger.error("the model could not be loaded: %s: %s", type(exc).__name__, redact(exc))
             self.error, self.status = exc, FAILED
             if self.on_failure is not None:
                 self.on_failure(exc)

@@ -34,8 +34,9 @@ from cacheblend_rag.serving.scheduler import RequestScheduler
 from cacheblend_rag.serving.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, KVStore, MemoryKVStore, open_store, parse_size
 from cacheblend_rag.store.prefix_blocks import StorePrefixBlocks
+from cacheblend_rag.store.urls import with_password
 
-ChunkCacheKey = tuple[Any, ...]  # store, prefix, size limit, storage dtype, hash of the store key, tier size
+ChunkCacheKey = tuple[Any, ...]  # store, prefix, size limit, storage dtype, store key hash, tier size, password hash
 
 
 @dataclass
@@ -166,22 +167,25 @@ def scheduler_for(engine: CacheBlendEngine, config: SchedulerConfig | None = Non
 def chunk_cache_for(
     engine: CacheBlendEngine, store: str | KVStore | None, *, prefix_ids: Sequence[int] = (),
     size_limit: int | str | None = None, storage_dtype: str = "auto", auth_key: str | None = None,
-    resident_bytes: int | str | None = None,
+    resident_bytes: int | str | None = None, store_password: str | None = None,
 ) -> ChunkCache:
     """The chunk cache of ``engine`` on ``store`` (an ``open_store`` spec or a store; ``None``:
     memory), computing chunks behind ``prefix_ids`` and storing them as ``storage_dtype``,
     authenticated with ``auth_key``, with a host-memory tier of ``resident_bytes`` (``None``: the
-    device's default); one per engine, store, prefix, codec, key and tier size."""
+    device's default); one per engine, store, prefix, codec, key and tier size. ``store_password``
+    goes into the spec's URL (in place of its ``***``) only to open it."""
     slot = slot_for(engine)
     prefix = tuple(int(t) for t in prefix_ids)
     # The store key's digest, not the key: a registry key is no place for a secret.
     key_digest = None if auth_key is None else hashlib.sha256(auth_key.encode()).hexdigest()
+    password_digest = None if store_password is None else hashlib.sha256(store_password.encode()).hexdigest()
     resident = None if resident_bytes is None else parse_size(resident_bytes)
-    key = (store, prefix, size_limit, storage_dtype, key_digest, resident)
+    key = (store, prefix, size_limit, storage_dtype, key_digest, resident, password_digest)
     with slot.lock:
         cache = slot.chunk_caches.get(key)
         if cache is None or cache.closed:  # a user closed it (to flush writes, say): open it anew
-            opened = store if isinstance(store, KVStore) else open_store(store, size_limit=size_limit)
+            spec = with_password(store, store_password) if isinstance(store, str) else store
+            opened = store if isinstance(store, KVStore) else open_store(spec, size_limit=size_limit)
             cache = slot.chunk_caches[key] = ChunkCache(engine, opened, prefix_ids=prefix, storage_dtype=storage_dtype,
                                                         auth_key=auth_key, resident_bytes=resident)
         return cache

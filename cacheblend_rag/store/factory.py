@@ -13,6 +13,9 @@ spec                   store
 
 Other backends plug in with :func:`register_store_scheme`; the modules named in
 ``_LAZY_SCHEMES`` are imported on first use so that they register themselves.
+
+A URL without its password, or with ``***`` where it was (as :mod:`~cacheblend_rag.store.urls` shows
+every spec), takes ``$CACHEBLEND_STORE_PASSWORD``; no message of this module shows a password.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from cacheblend_rag.store.base import KVStore
 # register_store_scheme lives with the table a backend registers into (a leaf it can import); it is
 # imported here too because the docstring above, and callers, find it on the factory.
 from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_scheme
+from cacheblend_rag.store.urls import MASK, STORE_PASSWORD_ENV, is_masked, password_from_env, redact
 
 # scheme -> module that calls register_store_scheme(scheme, ...) when imported
 _LAZY_SCHEMES = {"redis": "cacheblend_rag.store.redis_store", "rediss": "cacheblend_rag.store.redis_store"}
@@ -86,12 +90,18 @@ def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | Non
             try:
                 importlib.import_module(_LAZY_SCHEMES[name])
             except ModuleNotFoundError as exc:
-                raise ConfigError(f"store {text!r} needs the {name} backend, which is not available here: {exc}") from None
+                raise ConfigError(f"store {redact(text)!r} needs the {name} backend, which is not available here: "
+                                  f"{exc}") from None
         if name == "file":
             return DiskKVStore(text.removeprefix("file://"), size_limit=limit, **options)
         if name not in _SCHEMES:
-            raise ConfigError(f"store {text!r} has an unknown scheme {name!r}; known: {_known_schemes()}, "
+            raise ConfigError(f"store {redact(text)!r} has an unknown scheme {name!r}; known: {_known_schemes()}, "
                               "or a directory path")
+        text = password_from_env(text)
+        if is_masked(text):  # a dump's spelling (repr, model_dump, LangChain's dumps), loaded without its password
+            raise ConfigError(f"store {text!r} has {MASK} in place of its password (as a repr, a dump or a trace "
+                              f"writes it); set ${STORE_PASSWORD_ENV}, pass store_password= (CacheBlendLLM, "
+                              "ChatCacheBlend), or write the password in the URL")
         return _SCHEMES[name](text, size_limit=limit, **options)
     if text.startswith("tiered:"):
         path, _, shared = text.removeprefix("tiered:").partition(",")
@@ -117,8 +127,9 @@ def _folder(path: str, spec: str) -> str:
                 f"({_known_schemes()})")
     if name in {"file", *_SCHEMES, *_LAZY_SCHEMES}:
         rest = path[scheme.end():].lstrip("/")
-        raise ConfigError(f"store {spec!r} is a malformed {name} URL: write {name}://{rest}; {accepted}")
+        raise ConfigError(f"store {redact(spec)!r} is a malformed {name} URL: write {redact(f'{name}://{rest}')}; "
+                          f"{accepted}")
     if path[scheme.end():].startswith("/"):
-        raise ConfigError(f"store {spec!r} looks like a URL with the unknown scheme {name!r}; {accepted}. "
+        raise ConfigError(f"store {redact(spec)!r} looks like a URL with the unknown scheme {name!r}; {accepted}. "
                           "A folder whose name holds a colon is given as ./NAME")
     return path

@@ -21,27 +21,13 @@ from redis.retry import Retry
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.errors import StoreError
+from cacheblend_rag.store.urls import STORE_PASSWORD_ENV, redact, redact_url
 
 logger = logging.getLogger(__name__)
 
 # Errors after which the server is presumed down (not reachable, timing out, restarting, loading).
 _UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError,
                 redis.exceptions.RedisClusterException, OSError)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password (kept: scheme, user, host, port, database); never raises."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return urlunsplit(parts._replace(query=""))
-        user = f"{parts.username}:***@" if parts.username else ":***@"
-        host = parts.hostname or ""
-        _, _, port = parts.netloc.rpartition("@")[2].rpartition(":")  # as written, valid or not
-        netloc = user + (f"[{host}]" if ":" in host else host) + (f":{port}" if port and "]" not in port else "")
-        return urlunsplit(parts._replace(netloc=netloc, query=""))
-    except ValueError:
-        return "redis://***"
 
 
 def positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
@@ -88,8 +74,8 @@ class RedisConnection:
             self._raise_connect_error(exc)
         except (ValueError, TypeError) as exc:
             raise ConfigError(
-                f"Redis URL {redact_url(url)!r} is not valid: {exc}. Write redis://[[user]:password@]host[:port][/db] "
-                "or rediss://... for TLS"
+                f"Redis URL {redact_url(url)!r} is not valid: {redact(exc)}. Write "
+                "redis://[[user]:password@]host[:port][/db] or rediss://... for TLS"
             ) from None
         self._health_lock = threading.Lock()
         self._down: str | None = None  # why the breaker is open, while it is
@@ -116,7 +102,7 @@ class RedisConnection:
         try:
             parts = urlsplit(str(url))
         except ValueError as exc:
-            raise ConfigError(f"Redis URL is not valid: {exc}") from None
+            raise ConfigError(f"Redis URL {redact_url(str(url))!r} is not valid: {redact(exc)}") from None
         if parts.scheme not in ("redis", "rediss"):
             raise ConfigError(f"Redis URL {redact_url(str(url))!r} must start with redis:// or rediss:// (TLS)")
         if not parts.hostname:
@@ -145,24 +131,25 @@ class RedisConnection:
 
     def _raise_connect_error(self, exc: BaseException) -> None:
         where = redact_url(self.url)
-        message = str(exc)
+        message = redact(exc)  # redis-py's message: whatever it says, never a password
         if isinstance(exc, TypeError):  # redis-py passes unknown URL query parameters on to the connection
-            raise ConfigError(f"Redis URL {where!r} has an option redis-py does not know ({exc}); this store adds "
-                              "prefix, namespace, ttl and cluster to redis-py's own (socket_timeout, "
+            raise ConfigError(f"Redis URL {where!r} has an option redis-py does not know ({message}); this store "
+                              "adds prefix, namespace, ttl and cluster to redis-py's own (socket_timeout, "
                               "ssl_cert_reqs, ...)") from None
         auth_failed = isinstance(exc, (redis.exceptions.AuthenticationError,
                                        redis.exceptions.AuthenticationWrongNumberOfArgsError))
         if auth_failed or any(word in message.lower() for word in ("noauth", "wrongpass", "invalid password",
                                                                     "invalid username-password", "authenticat")):
             if urlsplit(self.url).password is None:
-                raise ConfigError(f"Redis at {where} requires a password ({exc}); write redis://:PASSWORD@host:port/0 "
-                                  "(or redis://USER:PASSWORD@... for an ACL user)") from None
-            raise ConfigError(f"Redis at {where} rejected the credentials ({exc}). Put the right password in the "
-                              "URL (redis://:PASSWORD@host:port/0, or redis://USER:PASSWORD@... for an ACL user)"
-                              ) from None
+                raise ConfigError(f"Redis at {where} requires a password ({message}); write "
+                                  "redis://:PASSWORD@host:port/0 (or redis://USER:PASSWORD@... for an ACL user), "
+                                  f"or set ${STORE_PASSWORD_ENV}") from None
+            raise ConfigError(f"Redis at {where} rejected the credentials ({message}). Put the right password in the "
+                              "URL (redis://:PASSWORD@host:port/0, or redis://USER:PASSWORD@... for an ACL user), "
+                              f"store_password= or ${STORE_PASSWORD_ENV}") from None
         if isinstance(exc, redis.exceptions.ResponseError):
-            raise StoreError(f"Redis at {where} answered PING with an error: {exc}") from None
-        raise StoreError(f"cannot reach Redis at {where}: {exc}. Check the host and port, that the server "
+            raise StoreError(f"Redis at {where} answered PING with an error: {message}") from None
+        raise StoreError(f"cannot reach Redis at {where}: {message}. Check the host and port, that the server "
                          "runs, and that TLS (rediss://) matches the server; or pass check_connection=False "
                          "to start while it is down") from None
 
@@ -189,7 +176,7 @@ class RedisConnection:
             try:
                 self._reader.ping()
             except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
-                logger.debug("Redis at %s still does not answer: %s", redact_url(self.url), exc)
+                logger.debug("Redis at %s still does not answer: %s", redact_url(self.url), redact(exc))
                 continue
             self._mark_up()
             return
@@ -207,13 +194,13 @@ class RedisConnection:
         except StoreError:
             raise
         except _UNAVAILABLE as exc:
-            first = self._trip(f"{type(exc).__name__}: {exc}")
-            error = StoreError(f"Redis at {where} is unavailable ({exc}); cannot {what}, skipping it until a probe "
-                               f"(every {self.probe_interval:g}s) finds it answering")
+            first = self._trip(f"{type(exc).__name__}: {redact(exc)}")
+            error = StoreError(f"Redis at {where} is unavailable ({redact(exc)}); cannot {what}, skipping it until "
+                               f"a probe (every {self.probe_interval:g}s) finds it answering")
             error.warned = not first
             raise error from exc
         except redis.exceptions.RedisError as exc:
             message = str(exc)
             if "LOADING" in message or "MASTERDOWN" in message or "TRYAGAIN" in message:
                 self._trip(message)
-            raise StoreError(f"Redis at {where} cannot {what}: {exc}") from exc
+            raise StoreError(f"Redis at {where} cannot {what}: {redact(exc)}") from exc
