@@ -220,14 +220,16 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     own = iter(document_ids(tokenizer, chunk_texts, special_tokens) if chunk_texts else [])
     segments: list[Segment] = []
     for piece, piece_ids in zip(split.pieces, piece_tokens):
-        if piece.is_document:
-            text_ids = list(next(own))
-            # Unequal where the chunk spells a special token the prompt's ids hold as one: its edges are
-            # token boundaries if its ids alone, the tokenizer's way, equal the prompt's, and then its text ids
-            # stand in for them.
-            if piece_ids != text_ids and (special_tokens != "text" or piece_ids != tokenize(piece.text)):
+        text_ids = list(next(own)) if piece.is_document else piece_ids
+        if piece_ids != text_ids:
+            # Where the text spells a special token the prompt's ids hold as one, its edges are token boundaries
+            # if its ids alone, the tokenizer's way, equal the prompt's: its text ids then stand in for them.
+            alone = tokenize(piece.text) if special_tokens == "text" else text_ids
+            if piece_ids == alone:
+                piece_ids = text_ids
+            elif piece.is_chunk or alone != text_ids:
                 return fallback()
-            piece_ids = text_ids
+            # else fresh document text spelling no special token: the prompt's ids, as any fresh text's
         if piece_ids:
             segments.append(StoredSegment(piece_ids, prefix_ids) if piece.is_chunk else FreshSegment(piece_ids))
     return segments

@@ -74,6 +74,16 @@ def test_a_chunk_is_text_in_its_span_and_the_template_keeps_its_control_tokens(e
     assert prompt_ids(prompt, [EVIL], tokenizer) == [t for s in segments for t in s.token_ids]
 
 
+def test_a_chunk_that_ends_the_prompt_is_computed_fresh_and_still_text(engine):
+    tokenizer, prompt = engine.tokenizer, f"Context:\n{EVIL}"
+    segments = to_segments_in_context(split_prompt(prompt, [EVIL]), tokenizer)
+    as_text = engine.tokenize(EVIL, special_tokens="text")
+    assert not any(isinstance(s, StoredSegment) for s in segments)  # a blend ends with fresh tokens
+    assert list(segments[-1].token_ids)[-len(as_text):] == as_text
+    assert not control_ids(tokenizer) & set(prompt_ids(prompt, [EVIL], tokenizer))
+    assert prompt_ids(prompt, [EVIL], tokenizer, "control") == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
 def test_blending_at_ratio_one_answers_as_full_prefill_of_the_same_ids(engine):
     settings = settings_for(engine)
     blended = answer(settings, blend_options={"recompute_ratio": 1.0})
