@@ -151,6 +151,8 @@ def _store_metrics(stats: Any) -> Iterator[Metric]:
     yield _counter("cacheblend_store_load_failures", "Chunks found but not read whole (the store failed), "
                    "recomputed", stats.load_failures)
     yield _counter("cacheblend_store_corrupt_entries", "Entries found damaged and deleted", stats.corrupt)
+    yield _counter("cacheblend_store_foreign_key_entries", "Entries under another store key (or none): not used, "
+                   "not deleted, their chunks computed fresh", stats.foreign_key_entries)
     yield _counter("cacheblend_store_writes_skipped", "Chunk writes skipped while the store took none",
                    stats.writes_skipped)
     yield _counter("cacheblend_store_write_backs_dropped", "Missed chunks not written back: the write-back queue "

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 
 from cacheblend_rag.store.errors import CorruptEntryError
 
-COUNTERS = ("hits", "misses", "load_failures", "evictions", "corrupt")
+COUNTERS = ("hits", "misses", "load_failures", "evictions", "corrupt", "foreign_key_entries")
 
 
 @dataclass
@@ -32,7 +32,10 @@ class StoreStats:
     """Chunk-level counts. ``hits`` count chunks whose stored KV a blend used; ``misses`` chunks it
     found no valid entry of; ``load_failures`` chunks whose entry was found but could not be read
     whole (the store failed, a layer was evicted or damaged), so they were recomputed; ``corrupt``
-    counts entries found damaged (and deleted); ``bytes`` is the space used.
+    counts entries found damaged (and deleted); ``foreign_key_entries`` entries found written under another
+    store key than the reader's (or none where it has one, or one where it has none): not used, never
+    deleted, their chunks computed fresh; each such chunk a blend asked for is also one of its ``misses``,
+    so hits + misses + load failures still add up to the chunks asked for. ``bytes`` is the space used.
 
     ``available`` is false when the store could not be asked (``error`` says why; the counts are then
     what this process knows). ``writes_skipped`` counts chunk writes this process skipped because
@@ -46,6 +49,7 @@ class StoreStats:
     load_failures: int = 0
     evictions: int = 0
     corrupt: int = 0
+    foreign_key_entries: int = 0
     available: bool = True
     error: str | None = None
     writes_skipped: int = 0

@@ -29,8 +29,11 @@ compute dtype on load, quantized ones expanded by the pipelined loader.
 
 Authenticated mode: with ``auth_key`` (or ``$CACHEBLEND_STORE_KEY``) every value carries an
 HMAC-SHA256 instead of a checksum, and entries without a valid MAC are not used. The key is
-never stored. Turn it on when writers you do not trust share the store (several applications
-or tenants on one Redis, a shared disk).
+never stored; each manifest names it by a key id (:mod:`~cacheblend_rag.store.format`), so an entry
+under another key (or none, or one where this cache has none) is skipped, counted as
+``foreign_key_entries`` and computed fresh, never deleted: only damage this reader can prove is.
+Turn it on when writers you do not trust share the store (several applications or tenants on one
+Redis, a shared disk).
 
 This module holds the cache itself: its construction, serving a blend, what a failure does, the
 background writer and the admin calls. An entry's reads and writes are in
@@ -62,7 +65,7 @@ from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
-from cacheblend_rag.store.format import Manifest, Tagger
+from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, UnauthenticatedReaderError
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
 from cacheblend_rag.store.memory_budget import default_write_back_bytes
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
@@ -147,7 +150,7 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         # Bytes queued and chunks dropped, under _pending_lock; a dict so that salted views share it.
         self._write_backs = {"queued_bytes": 0, "dropped": 0}
         self._last_warning: dict[str, float] = {}
-        self._warned_unauthenticated = False
+        self._foreign_key_ids: set[str] = set()  # the key ids warned about; a set so that salted views share it
 
     def salted(self, salt: str) -> "ChunkCache":
         """This cache under ``salt``: the same store, tier, writer and counters, every chunk keyed apart
@@ -159,13 +162,23 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         return view
 
     # ------------------------------------------------------------- failures
-    def _skip_unauthenticated(self, exc: CorruptEntryError) -> None:
-        # Written by replicas that have the store key: not ours to use, and not damage to delete.
-        if not self._warned_unauthenticated:
-            self._warned_unauthenticated = True
-            logger.warning("KV store %s holds authenticated entries (%s); pass the store key (auth_key= or $%s) "
-                           "to use them. Until then their chunks are computed fresh", self.store.describe(), exc,
-                           STORE_KEY_ENV)
+    def _skip_foreign(self, key: str, exc: ForeignKeyEntryError) -> None:
+        """An entry under another store key (or none, or one where this cache has none): someone else's, so not
+        used and, not being damage, never deleted; counted, and warned about once per key id."""
+        self._submit(self._record, foreign_key_entries=1)  # off the request's path, as the other counts
+        if exc.key_id in self._foreign_key_ids:
+            logger.debug("KV store entry %s... is under another store key (%s)", key[:12], exc)
+            return
+        self._foreign_key_ids.add(exc.key_id)
+        if isinstance(exc, UnauthenticatedReaderError):
+            fix = f"pass the store key (auth_key=, store_key= or ${STORE_KEY_ENV}) to use them"
+        else:
+            fix = (f"give every reader and writer the same key (auth_key=, store_key= or ${STORE_KEY_ENV}); "
+                   "after changing the key, clear the store (cacheblend-rag cache clear) or let the old entries "
+                   "expire: they are never replaced")
+        logger.warning("KV store %s holds entries that are not under this reader's store key (%s); they are not "
+                       "used and not deleted, their chunks are computed fresh (counted as foreign_key_entries): %s",
+                       self.store.describe(), exc, fix)
 
     def _discard(self, key: str, reason: CorruptEntryError | str) -> None:
         """Remove a damaged entry and count it; an entry that lost layers to eviction is removed quietly."""

@@ -21,7 +21,7 @@ from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import Codec, float_codec
 from cacheblend_rag.store.entries import EntryRules
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
-from cacheblend_rag.store.format import Manifest, Tagger, UnauthenticatedReaderError, encode_layer, encode_manifest, value_digest
+from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, encode_layer, encode_manifest, value_digest
 from cacheblend_rag.store.keys import chunk_key
 
 _FLOAT16_MAX = 65504.0
@@ -31,8 +31,8 @@ class ChunkStoreIO:
     """The store reads and writes of a :class:`~cacheblend_rag.store.chunk_cache.ChunkCache`, a base of it.
 
     The cache sets the attributes below and reports failures for these methods: ``_warn`` (the store
-    failed), ``_discard`` (a damaged entry) and ``_skip_unauthenticated`` (an entry with a MAC, read
-    without the store key).
+    failed), ``_discard`` (a damaged entry) and ``_skip_foreign`` (an entry under another store key, or none
+    where this cache has one, or one where it has none: not used, never deleted).
     """
 
     engine: Any
@@ -89,15 +89,16 @@ class ChunkStoreIO:
         return out
 
     def _valid_manifest(self, key: str, data: Any, num_tokens: int) -> Manifest | None:
-        """The manifest if it passes :class:`EntryRules`; a damaged one is removed and counted."""
+        """The manifest if it passes :class:`EntryRules`; a damaged one is removed and counted, a foreign one (another
+        store key's) skipped and counted."""
         if data is None:
             return None
         try:
             if isinstance(data, CorruptEntryError):
                 raise data
             return self.rules.manifest(data, key, num_tokens)
-        except UnauthenticatedReaderError as exc:
-            self._skip_unauthenticated(exc)
+        except ForeignKeyEntryError as exc:
+            self._skip_foreign(key, exc)
         except CorruptEntryError as exc:
             self._discard(key, exc)
         return None

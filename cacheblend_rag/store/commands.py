@@ -111,9 +111,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     print(store.describe())
     if not stats.available:
         print(f"  unavailable: {stats.error} (the counts below are this process's own)")
-    for name in ("entries", "bytes", "hits", "misses", "load_failures", "evictions", "corrupt", "writes_skipped",
-                 "write_backs_dropped"):
-        print(f"  {name:<14} {getattr(stats, name):>14,}")
+    for name in ("entries", "bytes", "hits", "misses", "load_failures", "evictions", "corrupt", "foreign_key_entries",
+                 "writes_skipped", "write_backs_dropped"):
+        print(f"  {name:<19} {getattr(stats, name):>14,}")
     if stats.details.get("writes", "ok") != "ok":
         print(f"  writes         {stats.details['writes']}")
     if by_codec:

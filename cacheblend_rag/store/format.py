@@ -19,7 +19,15 @@ A **manifest** says a chunk is complete. Writers store it last, so a reader that
 manifest finds every layer it names (unless the layers were evicted or damaged since, which
 the loader detects through the tags the manifest records)::
 
-    b"CBKM", version (u16), flags (u8), reserved (u8), JSON length (u32), UTF-8 JSON, tag
+    b"CBKM", version (u16), flags (u8), reserved (u8), JSON length (u32), key id (8 bytes), UTF-8 JSON, tag
+
+The **key id** names the store key the manifest's MAC is keyed by (:attr:`Tagger.key_id`: 8 bytes of an
+HMAC of a fixed label under the key, never the key), zeros for a checksum. It tells a reader whose entry
+it is before any tag is checked: an entry under another key, or written without one where this reader
+has one, or with one where it has none, is *foreign* (:class:`ForeignKeyEntryError`): not used, and not
+damage either, so never deleted. Only what the reader can prove damaged is: a checksum that fails, a
+MAC under its own key id that fails, a header, size or JSON no writer makes. Layers need no key id: a
+reader reads only the layers its own (checked) manifest names by their tags.
 
 Without a store key the tag detects damage (torn writes, bit rot, truncation), not forgery:
 whoever can write the store can write a consistent value. With a key (authenticated mode,
@@ -33,6 +41,8 @@ accepts only ``bytes``-like values: anything else (another type, a short or padd
 wrong magic, version, codec or tag, a manifest whose JSON is too large, too deep or not the
 expected fields, non-finite floats) raises :class:`CorruptEntryError` and nothing else.
 Version 2 values (16 and 32 bits, no codec byte) read as "format version 2" and are recomputed.
+Version 4 added the key id. The version is part of every chunk key (:mod:`~cacheblend_rag.store.keys`), so
+entries of an older version are never looked up: they stay until evicted, expired or cleared.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ import xxhash
 from cacheblend_rag.store.codec import Codec, PackedLayer, codec_for_code
 from cacheblend_rag.store.errors import CorruptEntryError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 LAYER_MAGIC = b"CBKV"
 MANIFEST_MAGIC = b"CBKM"
@@ -61,9 +71,14 @@ MAC_SIZE = 32
 FLAG_MAC = 1
 MAX_MANIFEST_JSON = 1 << 20  # bytes; a manifest of 1,000 layers is about 40 KB
 MAX_JSON_DEPTH = 2  # a manifest is an object holding one list of strings
+KEY_ID_SIZE = 8
+NO_KEY_ID = bytes(KEY_ID_SIZE)  # a checksummed entry's
+_KEY_ID_LABEL = b"cacheblend-rag/store-key-id"
 
 _LAYER_HEAD = struct.Struct("<4sHBBHHIIIQ")  # magic, version, codec, flags, group, reserved, h, n, d, payload length
-_MANIFEST_HEAD = struct.Struct("<4sHBBI")  # magic, version, flags, reserved, JSON length
+_MANIFEST_HEAD = struct.Struct("<4sHBBI8s")  # magic, version, flags, reserved, JSON length, key id
+# No manifest value is larger: what a reader may be handed whole (a Redis store refuses larger ones unread).
+MAX_MANIFEST_BYTES = _MANIFEST_HEAD.size + MAX_MANIFEST_JSON + MAC_SIZE
 BytesLike = (bytes, bytearray, memoryview)
 
 
@@ -74,6 +89,8 @@ class Tagger:
         if key is not None and (not isinstance(key, (bytes, bytearray)) or len(key) < 16):
             raise ValueError("the store key must be at least 16 bytes")
         self._key = bytes(key) if key is not None else None
+        self.key_id = hmac.new(self._key, _KEY_ID_LABEL, hashlib.sha256).digest()[:KEY_ID_SIZE] \
+            if self._key is not None else NO_KEY_ID
 
     @property
     def authenticated(self) -> bool:
@@ -97,18 +114,50 @@ class Tagger:
         return h.digest()
 
     def check(self, body: memoryview, tag: memoryview, flags: int, what: str) -> None:
-        """Raise :class:`CorruptEntryError` unless ``tag`` is this tagger's tag of ``body``."""
+        """Raise :class:`CorruptEntryError` unless ``tag`` is this tagger's tag of ``body``: a layer, which its
+        manifest (checked first, under this reader's key) names, so any other tag is damage."""
         if bool(flags & FLAG_MAC) != self.authenticated:
-            if self.authenticated:
-                raise CorruptEntryError(f"{what} carries no MAC, and this store requires authenticated entries")
-            raise UnauthenticatedReaderError(f"{what} is authenticated (keyed MAC); this reader has no store key")
+            raise CorruptEntryError(f"{what} carries {'a MAC' if flags & FLAG_MAC else 'no MAC'}, and this "
+                                    f"reader's entries {'have one' if self.authenticated else 'do not (no store key)'}")
         if not hmac.compare_digest(self.tag([body]), bytes(tag)):
             raise CorruptEntryError(f"{what} fails its {'MAC' if self.authenticated else 'checksum'}")
 
+    def check_manifest(self, body: memoryview, tag: memoryview, flags: int,
+                       key_id: bytes) -> ForeignKeyEntryError | None:
+        """Check a manifest's tag as far as this reader can. Raises :class:`CorruptEntryError` for what it
+        proves damaged; returns the :class:`ForeignKeyEntryError` to raise, once the manifest's fields are
+        checked too, for an entry that is someone else's (another key, or none, or one where it has none)."""
+        keyed = bool(flags & FLAG_MAC)
+        if keyed != (key_id != NO_KEY_ID):
+            raise CorruptEntryError(f"manifest carries {'a MAC' if keyed else 'a checksum'} and key id "
+                                    f"{key_id.hex()}: no writer makes that")
+        mine = self.key_id.hex() if self.authenticated else "none: it has no store key"
+        if keyed and key_id != self.key_id:
+            kind = ForeignKeyEntryError if self.authenticated else UnauthenticatedReaderError
+            return kind(f"manifest is authenticated under store key id {key_id.hex()}; this reader's is {mine}",
+                        key_id.hex())
+        expected = self.tag([body]) if keyed else xxhash.xxh3_128_digest(body)
+        if not hmac.compare_digest(expected, bytes(tag)):
+            raise CorruptEntryError(f"manifest fails its {'MAC' if keyed else 'checksum'}")
+        if not keyed and self.authenticated:
+            return ForeignKeyEntryError(f"manifest was written without a store key (a checksum, no MAC); this "
+                                        f"reader uses only entries under its own (key id {mine})", "")
+        return None
 
-class UnauthenticatedReaderError(CorruptEntryError):
-    """An authenticated entry met a reader without the store key: it cannot be checked, so it is
-    not used, but it is not damage either, and must not be deleted."""
+
+class ForeignKeyEntryError(CorruptEntryError):
+    """An entry written under another store key than this reader's (or none where it has one, or one where
+    it has none), intact as far as this reader can tell. It cannot be checked, so it is not used (a miss,
+    computed fresh, counted as ``foreign_key_entries``), but it is not damage either: it is never deleted.
+    ``key_id`` is the entry's key id in hex (``""``: written without a key)."""
+
+    def __init__(self, message: str, key_id: str) -> None:
+        super().__init__(message)
+        self.key_id = key_id
+
+
+class UnauthenticatedReaderError(ForeignKeyEntryError):
+    """An authenticated entry met a reader without the store key (a :class:`ForeignKeyEntryError`)."""
 
 
 def _view(data: Any, what: str) -> memoryview:
@@ -216,7 +265,7 @@ def encode_manifest(manifest: Manifest, tagger: Tagger | None = None) -> bytes:
     fields = asdict(manifest)
     fields["layer_digests"] = list(manifest.layer_digests)
     payload = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    body = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, tagger.flags, 0, len(payload)) + payload
+    body = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, tagger.flags, 0, len(payload), tagger.key_id) + payload
     return body + tagger.tag([body])
 
 
@@ -243,26 +292,33 @@ def _json_depth(text: bytes) -> int:
 
 
 def decode_manifest(data: Any, expected_key: str | None = None, *, tagger: Tagger | None = None) -> Manifest:
-    """The manifest in ``data``; raises :class:`CorruptEntryError` for anything malformed."""
+    """The manifest in ``data``; raises :class:`CorruptEntryError` for anything malformed, and
+    :class:`ForeignKeyEntryError` for a well-formed entry under another store key (module docstring)."""
     tagger = tagger or Tagger()
-    view, flags, text = _manifest_parts(data)
-    tag_start = len(view) - (MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE)
-    tagger.check(view[:tag_start], view[tag_start:], flags, "manifest")
-    return _manifest_from(_parse_json(text), expected_key, tagger.size)
+    view, flags, key_id, text = _manifest_parts(data)
+    tag_size = MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE
+    tag_start = len(view) - tag_size
+    foreign = tagger.check_manifest(view[:tag_start], view[tag_start:], flags, key_id)
+    # The fields are checked even for a foreign entry (bounded JSON: as peek_manifest reads it): one no writer
+    # makes is damage whoever's key it claims, and is deleted.
+    manifest = _manifest_from(_parse_json(text), expected_key, tag_size)
+    if foreign is not None:
+        raise foreign
+    return manifest
 
 
 def peek_manifest(data: Any) -> Manifest:
     """The manifest in ``data`` without checking its tag: for a writer reading back what it just
     wrote, and for inventories (``cache stats``) that use nothing but its sizes and codec."""
-    view, flags, text = _manifest_parts(data)
+    view, flags, _, text = _manifest_parts(data)
     return _manifest_from(_parse_json(text), None, MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE)
 
 
-def _manifest_parts(data: Any) -> tuple[memoryview, int, bytes]:
+def _manifest_parts(data: Any) -> tuple[memoryview, int, bytes, bytes]:
     view = _view(data, "manifest")
     if len(view) < _MANIFEST_HEAD.size + CHECKSUM_SIZE:
         raise CorruptEntryError(f"manifest is truncated: {len(view)} bytes")
-    magic, version, flags, _, length = _MANIFEST_HEAD.unpack_from(view, 0)
+    magic, version, flags, _, length, key_id = _MANIFEST_HEAD.unpack_from(view, 0)
     if magic != MANIFEST_MAGIC:
         raise CorruptEntryError(f"manifest has magic {bytes(magic)!r}, expected {MANIFEST_MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -272,7 +328,7 @@ def _manifest_parts(data: Any) -> tuple[memoryview, int, bytes]:
     tag_size = MAC_SIZE if flags & FLAG_MAC else CHECKSUM_SIZE
     if len(view) != _MANIFEST_HEAD.size + length + tag_size:
         raise CorruptEntryError("manifest length does not match its header (truncated or padded)")
-    return view, flags, bytes(view[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + length])
+    return view, flags, bytes(key_id), bytes(view[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + length])
 
 
 def _parse_json(text: bytes) -> Any:

@@ -64,7 +64,7 @@ def set_index_filename(store_path: Path, rowid: int, filename: str) -> None:
 def nested_manifest(depth: int = 50_000) -> bytes:
     """A manifest of ``depth`` nested JSON lists with a valid checksum: a parser that recurses dies."""
     text = ("[" * depth + "]" * depth).encode()
-    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(text)) + text
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(text), fmt.NO_KEY_ID) + text
     return body + xxhash.xxh3_128_digest(body)
 
 

@@ -16,6 +16,7 @@ from cacheblend_rag.store.format import (
     MAC_SIZE,
     Manifest,
     Tagger,
+    ForeignKeyEntryError,
     UnauthenticatedReaderError,
     decode_layer,
     decode_manifest,
@@ -26,6 +27,7 @@ from cacheblend_rag.store.format import (
 )
 
 F16 = codec_named("float16")
+MANIFEST_HEAD = 20  # bytes before a manifest's JSON: magic, version, flags, reserved, length, key id
 F32 = codec_named("float32")
 
 
@@ -183,11 +185,11 @@ def test_manifest_json_nested_deeply_is_corrupt_even_with_a_valid_checksum():
     from cacheblend_rag.store import format as fmt
 
     nested = ("[" * 100_000 + "]" * 100_000).encode()
-    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(nested)) + nested
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(nested), fmt.NO_KEY_ID) + nested
     with pytest.raises(CorruptEntryError, match="nested deeper"):
         decode_manifest(body + xxhash.xxh3_128_digest(body))
     big = json.dumps({"x": "a" * (fmt.MAX_MANIFEST_JSON + 1)}).encode()
-    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(big)) + big
+    body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(big), fmt.NO_KEY_ID) + big
     with pytest.raises(CorruptEntryError, match="more than any manifest"):
         decode_manifest(body + xxhash.xxh3_128_digest(body))
 
@@ -199,13 +201,48 @@ def test_authenticated_values_need_the_key_and_forgery_fails():
     assert torch.equal(decode_layer(signed, tagger=key).unpacked()[0], k.half())
     with pytest.raises(CorruptEntryError, match="fails its MAC"):
         decode_layer(signed, tagger=other)
-    with pytest.raises(UnauthenticatedReaderError):
-        decode_layer(signed)  # a reader without the key cannot check it
+    # A layer is read only under its manifest, checked first with this reader's key: another tag is damage.
+    with pytest.raises(CorruptEntryError, match="carries a MAC"):
+        decode_layer(signed)
     plain = encode_layer(k, v, F16)  # what a forger without the key can make: a valid checksum
     with pytest.raises(CorruptEntryError, match="carries no MAC"):
         decode_layer(plain, tagger=key)
     manifest = _manifest(MAC_SIZE)
     data = encode_manifest(manifest, key)
     assert decode_manifest(data, tagger=key) == manifest and peek_manifest(data) == manifest
-    with pytest.raises(CorruptEntryError, match="carries no MAC"):
-        decode_manifest(encode_manifest(_manifest()), tagger=key)
+    forged = bytearray(data)
+    forged[MANIFEST_HEAD + 10] ^= 1  # in the JSON, under this reader's own key id
+    with pytest.raises(CorruptEntryError, match="fails its MAC") as damaged:
+        decode_manifest(bytes(forged), tagger=key)
+    assert not isinstance(damaged.value, ForeignKeyEntryError)  # damage: deleted
+
+
+def test_the_key_id_names_the_key_and_tells_foreign_entries_from_damage():
+    key, other = Tagger(b"k" * 32), Tagger(b"x" * 32)
+    assert key.key_id != other.key_id and key.key_id == Tagger(b"k" * 32).key_id and len(key.key_id) == 8
+    assert key.key_id not in b"k" * 32 and Tagger().key_id == bytes(8)  # never the key; zeros for none
+    signed, plain = encode_manifest(_manifest(MAC_SIZE), key), encode_manifest(_manifest())
+    with pytest.raises(ForeignKeyEntryError, match=f"key id {key.key_id.hex()}; this reader's is "
+                                                   f"{other.key_id.hex()}") as wrong_key:
+        decode_manifest(signed, tagger=other)  # a reader with another key: not damage, never deleted
+    assert wrong_key.value.key_id == key.key_id.hex()
+    with pytest.raises(UnauthenticatedReaderError, match="this reader's is none"):
+        decode_manifest(signed)  # no key: cannot check it (a ForeignKeyEntryError too)
+    with pytest.raises(ForeignKeyEntryError, match="written without a store key") as keyless:
+        decode_manifest(plain, tagger=key)  # intact (its checksum holds), but not under this reader's key
+    assert keyless.value.key_id == ""
+    # What a reader can check, it checks whatever key the entry claims: a failing checksum or malformed fields
+    # are damage (deleted), not foreign.
+    broken = bytearray(plain)
+    broken[MANIFEST_HEAD + 3] ^= 1
+    with pytest.raises(CorruptEntryError, match="fails its checksum") as damaged:
+        decode_manifest(bytes(broken), tagger=key)
+    assert not isinstance(damaged.value, ForeignKeyEntryError)
+    with pytest.raises(CorruptEntryError, match="belongs") as swapped:
+        decode_manifest(signed, expected_key="cd" * 32, tagger=other)
+    assert not isinstance(swapped.value, ForeignKeyEntryError)
+    relabelled = bytearray(signed)
+    relabelled[12:20] = bytes(8)  # a MAC with no key id: no writer makes that
+    with pytest.raises(CorruptEntryError, match="no writer makes that") as odd:
+        decode_manifest(bytes(relabelled), tagger=other)
+    assert not isinstance(odd.value, ForeignKeyEntryError)

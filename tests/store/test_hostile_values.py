@@ -5,7 +5,8 @@ with valid checksums, truncations, keys of another Redis type: on every backend 
 tiered, Redis) each is detected as corrupt, counted, deleted and recomputed, and the blend's
 answer equals the healthy store's. Chunks are stored at 32 bits here so that a recomputed chunk
 is bit-for-bit the stored one and "the same answer" means equal logits. In authenticated mode a
-forged entry (a valid checksum, no MAC) is refused the same way.
+forged entry (a valid checksum, no MAC) is refused too, and an entry under another store key is
+neither used nor deleted.
 """
 
 from __future__ import annotations
@@ -179,12 +180,13 @@ def test_hostile_values_are_corrupt_never_a_failure(engine, backend, cache, chun
 
 def test_a_forged_entry_is_refused_in_authenticated_mode(engine, backend, chunk_ids, stored_prompt, healthy):
     """A writer without the key can make a consistent entry (valid checksums) that would steer the
-    answer; with a store key the reader sees it carries no MAC and computes the chunk instead."""
+    answer; with a store key the reader sees it was written without one and computes the chunk instead.
+    Its checksum holds (a keyless replica's entry looks the same), so it is not this reader's to delete:
+    it stays, counted as ``foreign_key_entries`` each time it is met (resident_bytes=0: not kept here)."""
     stored, _ = stored_prompt
-    with ChunkCache(engine, backend.store, storage_dtype="float32", auth_key=KEY) as signed:
+    with ChunkCache(engine, backend.store, storage_dtype="float32", auth_key=KEY, resident_bytes=0) as signed:
         signed.warm(chunk_ids)
         key = signed.key_for(chunk_ids[1])
-        manifest = _manifest(signed, key)
         forged = engine.prefill_chunk(chunk_ids[1])
         forged.values = [torch.zeros_like(v) for v in forged.values]  # what the attacker wants read
         signed.store.delete(key)
@@ -192,8 +194,41 @@ def test_a_forged_entry_is_refused_in_authenticated_mode(engine, backend, chunk_
             assert forger.put(forged) > 0
             steered = engine.blend(stored, store=forger, config=CONFIG).logits
             assert not torch.allclose(steered, healthy)  # the threat: a checksum alone accepts it
-        _answer_is_healthy_and_the_entry_is_repaired(engine, signed, stored, healthy)
-        assert _manifest(signed, key).layer_digests == manifest.layer_digests  # rewritten as it was: with MACs
+        planted, before = signed.store.get_manifest(key), signed.stats()
+        for _ in range(2):
+            result = engine.blend(stored, store=signed, config=CONFIG)
+            torch.testing.assert_close(result.logits, healthy, atol=1e-5, rtol=1e-5)
+            assert (result.stats.cache_hits, result.stats.cache_misses) == (len(chunk_ids) - 1, 1)
+        stats = signed.stats()
+        assert stats.corrupt == before.corrupt and stats.foreign_key_entries == before.foreign_key_entries + 2
+        assert signed.store.get_manifest(key) == planted  # never deleted, never used
+        inventory(signed.store)
+
+
+def test_a_reader_with_another_key_uses_no_entry_and_deletes_none(engine, backend, chunk_ids, stored_prompt,
+                                                                   healthy):
+    """Two deployments on one store with different keys, or a key changed on one replica: each one's entries
+    are foreign to the other, skipped and counted, never deleted (they failed its MAC check and were deleted
+    as corrupt, so a replica with a wrong key emptied the store of everyone else's entries)."""
+    stored, _ = stored_prompt
+    with ChunkCache(engine, backend.store, storage_dtype="float32", auth_key=KEY) as signed:
+        signed.warm(chunk_ids)
+        keys = [signed.key_for(ids) for ids in chunk_ids]
+        manifests = [signed.store.get_manifest(key) for key in keys]
+        before = signed.stats()
+        with ChunkCache(engine, backend.store, storage_dtype="float32", auth_key=b"another key, 16+ bytes",
+                        resident_bytes=0) as other:
+            for _ in range(2):
+                result = engine.blend(stored, store=other, config=CONFIG)
+                torch.testing.assert_close(result.logits, healthy, atol=1e-5, rtol=1e-5)
+                assert result.stats.cache_misses == len(chunk_ids)  # a miss, computed fresh
+            stats = other.stats()
+        assert stats.corrupt == before.corrupt
+        assert stats.foreign_key_entries == before.foreign_key_entries + 2 * len(chunk_ids)
+        assert stats.hits + stats.misses + stats.load_failures == \
+            before.hits + before.misses + before.load_failures + 2 * len(chunk_ids)  # the soak's identity holds
+        assert [signed.store.get_manifest(key) for key in keys] == manifests
+        assert engine.blend(stored, store=signed, config=CONFIG).stats.cache_hits == len(chunk_ids)
 
 
 def test_a_reader_without_the_key_does_not_use_or_delete_authenticated_entries(engine, backend, chunk_ids,
@@ -205,7 +240,9 @@ def test_a_reader_without_the_key_does_not_use_or_delete_authenticated_entries(e
             result = engine.blend(stored, store=keyless, config=CONFIG)
             keyless.flush()
             torch.testing.assert_close(result.logits, healthy, atol=1e-5, rtol=1e-5)
-            assert result.stats.cache_misses == len(chunk_ids) and keyless.stats().corrupt == 0
+            stats = keyless.stats()
+            assert result.stats.cache_misses == len(chunk_ids) and stats.corrupt == 0
+            assert stats.foreign_key_entries == len(chunk_ids)
         assert engine.blend(stored, store=signed, config=CONFIG).stats.cache_hits == len(chunk_ids)
 
 
