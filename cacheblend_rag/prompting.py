@@ -235,10 +235,21 @@ def to_segments_in_context(split: SplitPrompt, tokenizer: Any, prefix_ids: Seque
     return segments
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        checked_text(text)
+    except ValueError:  # checked_text's BlendInputError (cacheblend_rag.errors is above this layer)
+        return False
+    return True
+
+
 def spelling_special_tokens(texts: Iterable[str], tokenizer: Any) -> list[str]:
     """Those of ``texts`` whose ids as document text differ from the tokenizer's own: the ones that spell a
     special token (``<|im_end|>``), which :func:`split_prompt` must find to tokenize them as documents."""
-    texts = [t for t in texts if t and t.strip()]
+    # A text holding a lone surrogate cannot be in a prompt that tokenizes (checked_text refuses the prompt),
+    # so there is nothing to find; the tokenizer would raise a bare TypeError on it (a title the template
+    # left out of the prompt was a server's 500).
+    texts = [t for t in texts if t and t.strip() and _is_unicode(t)]
     if not texts:
         return []
     as_text, as_control = document_ids(tokenizer, texts, "text"), document_ids(tokenizer, texts, "control")

@@ -42,7 +42,9 @@ class ToolCallIn(_Lenient):
 class ChatMessage(_Lenient):
     """One message of the conversation: ``role`` is system, developer (read as system), user, assistant or tool."""
 
-    role: str
+    # The schema names the roles and the non-empty list while translate.py checks them, so that its 400s name
+    # the field and the value given (pydantic's own message would not); json_schema_extra is the schema's alone.
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]})
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallIn]] = None
@@ -65,7 +67,7 @@ class ChatCompletionRequest(_Lenient):
     ``cache_salt``, and ``cacheblend`` (this server's per-request blend settings; docs/serving.md)."""
 
     model: Optional[str] = None
-    messages: List[ChatMessage]
+    messages: List[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     temperature: Optional[float] = None
