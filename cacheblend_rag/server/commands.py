@@ -23,6 +23,7 @@ from typing import Any, Callable
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.server.options import DEFAULT_GRACEFUL_SHUTDOWN_S, ServerConfig, default_store_path
+from cacheblend_rag.store.store_key import require_store_key, store_key
 from cacheblend_rag.store.urls import redact
 
 API_KEY_VARIABLE = "CACHEBLEND_API_KEY"
@@ -37,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--store", default=None, metavar="URL|PATH",
                        help="where chunk K/V lives: a folder, memory, tiered:PATH[,SPEC] or redis://... "
                        f"(default: {default_store_path()})")
+    serve.add_argument("--require-store-key", action="store_true",
+                       help="refuse to start without a store key ($CACHEBLEND_STORE_KEY): without one, anyone who can "
+                       "write the store can plant chunk K/V that steers the answers (a warning says so)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
@@ -120,6 +124,10 @@ def _config(args: argparse.Namespace) -> ServerConfig:
     checked_as_given(settings)  # a bad value fails now, not after the socket is up and the model loaded
     if args.no_blend:
         settings["reuse_chunk_kv"] = False
+    if args.require_store_key:
+        # Before the socket is bound: the key is read from the environment only (a flag would show it in ps).
+        require_store_key(store_key(None) is not None, "--require-store-key")
+        settings["require_store_key"] = True
     if args.document_special_tokens is not None:
         settings["document_special_tokens"] = args.document_special_tokens
     for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),

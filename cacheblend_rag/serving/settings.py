@@ -49,6 +49,7 @@ from cacheblend_rag.serving.service import BlendService, Served
 from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.codec import codec_named
+from cacheblend_rag.store.store_key import require_store_key, store_key
 from cacheblend_rag.store.urls import password_apart, redact, split_password
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,11 @@ class CacheBlendSettings(PicklesWithoutEngine):
         default=None, exclude=True, repr=False,
         description="Key of authenticated mode for a store shared with writers you do not trust (HMAC-SHA256 on "
         "every value; entries without a valid MAC are not used); None: $CACHEBLEND_STORE_KEY, else off. Never stored.",
+    )
+    require_store_key: bool = Field(
+        default=False,
+        description="Refuse to start without a store key (store_key or $CACHEBLEND_STORE_KEY). Without one a shared "
+        "store (disk, Redis) takes any self-consistent entry planted in it, which is warned about once.",
     )
     device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
@@ -409,6 +415,8 @@ class CacheBlendSettings(PicklesWithoutEngine):
         # The sampling fields, checked by GenerationConfig against the answer's length when it is set.
         self.generation_config_with(getattr(self, self._max_tokens_field, None) or max(1, self.min_new_tokens), None, {})
         self._validate_settings()
+        if self.require_store_key and self.base_url is None:  # before the model loads; remote: the server's store
+            self._check_store_key()
         if self.base_url is not None:  # the model is the server's: nothing is loaded here
             self._remote_announced = AnnouncedChunks(self.max_announced_chunks)
             return self
@@ -419,6 +427,13 @@ class CacheBlendSettings(PicklesWithoutEngine):
 
     def _validate_settings(self) -> None:
         """Checks of a subclass's own settings, run before the model is loaded."""
+
+    def _check_store_key(self) -> None:
+        if self.chunk_cache is not None:  # the cache given decides
+            has_key = self.chunk_cache.tagger.authenticated
+        else:
+            has_key = store_key(self.store_key.get_secret_value() if self.store_key is not None else None) is not None
+        require_store_key(has_key, "require_store_key=True")
 
     def _open_service(self) -> BlendService:
         if self.engine is None:

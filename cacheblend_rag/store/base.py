@@ -130,6 +130,13 @@ class KVStore(ABC):
 
     max_value_bytes: int | None = None
 
+    @property
+    def shared(self) -> bool:
+        """Whether other processes (and whoever can write where it lives) can write this store: anything but
+        process memory. Opened without a store key, such a store accepts any self-consistent entry planted
+        in it, so :class:`~cacheblend_rag.store.ChunkCache` warns once (``require_store_key`` refuses)."""
+        return True
+
     def record(self, **counts: int) -> None:
         """Add to the counters named in ``COUNTERS`` (persistent backends persist them)."""
         unknown = set(counts) - set(COUNTERS)

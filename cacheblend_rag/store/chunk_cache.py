@@ -46,7 +46,6 @@ from __future__ import annotations
 import copy
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,23 +68,11 @@ from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, 
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
 from cacheblend_rag.store.memory_budget import default_write_back_bytes
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
+from cacheblend_rag.store.store_key import STORE_KEY_ENV, require_store_key, store_key, warn_if_keyless
 
 logger = logging.getLogger(__name__)
 
 _WARN_INTERVAL_S = 60.0
-STORE_KEY_ENV = "CACHEBLEND_STORE_KEY"
-
-
-def store_key(auth_key: bytes | str | None) -> bytes | None:
-    """The MAC key: ``auth_key`` (bytes, or text taken as UTF-8), else ``$CACHEBLEND_STORE_KEY``, else none."""
-    key = auth_key if auth_key is not None else os.environ.get(STORE_KEY_ENV) or None
-    if key is None:
-        return None
-    raw = key.encode() if isinstance(key, str) else bytes(key)
-    if len(raw) < 16:
-        raise ConfigError(f"the store key ({'auth_key' if auth_key is not None else '$' + STORE_KEY_ENV}) has "
-                          f"{len(raw)} bytes; use at least 16 random bytes, e.g. `openssl rand -hex 32`")
-    return raw
 
 
 class ChunkCache(ChunkWarming, ChunkStoreIO):
@@ -95,7 +82,9 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
     bounded by default: :mod:`~cacheblend_rag.store.memory_budget`). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
     behind; a :class:`StoredSegment` names its own prefix. ``storage_dtype`` is ``"auto"``,
     ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
-    ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring).
+    ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring); ``require_key`` refuses
+    to open without a key (else a shared store opened without one is warned about once:
+    :mod:`~cacheblend_rag.store.store_key`).
     ``prefetch=False`` turns off the layer read-ahead; ``write_back=False`` keeps missed chunks
     out of the store. ``resident_bytes`` bounds the host-memory tier of chunks already read and verified
     (or computed) here, which later blends copy from without touching the store
@@ -119,17 +108,22 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         write_back: bool = True,
         resident_bytes: int | None = None,
         write_back_bytes: int | None = None,
+        require_key: bool = False,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         self.codec: Codec | None = codec_named(storage_dtype, storage_group)  # None: "auto"
-        self.tagger = Tagger(store_key(auth_key))
+        key = store_key(auth_key)
+        if require_key:
+            require_store_key(key is not None, "require_key=True")  # before the store is opened
+        self.tagger = Tagger(key)
         self.engine = engine
         self.rules = EntryRules(engine, self.codec if self.codec is not None and self.codec.lossy else None,
                                 self.tagger)
         self._owns_store = not isinstance(store, KVStore)
         self.store: KVStore = open_store(store)
         self.store.bind_model(engine.fingerprint, max_value_bytes=self.rules.max_value_bytes)
+        warn_if_keyless(self.store, self.tagger.authenticated)
         self.prefix_ids = tuple(int(t) for t in prefix_ids)
         self.batch_size = batch_size
         self.storage_dtype = "auto" if self.codec is None else self.codec.name

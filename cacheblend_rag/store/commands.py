@@ -42,6 +42,7 @@ from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES
 from cacheblend_rag.store.factory import open_store
 from cacheblend_rag.store.inventory import inventory
+from cacheblend_rag.store.store_key import require_store_key, store_key
 
 
 def _add_store_options(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--document-special-tokens", choices=["text", "control"], default="text",
                       help="special-token strings in a chunk (<|im_end|>, say) as plain text (default) or as control "
                            "tokens (trusted text only); readers must use the same (document_special_tokens)")
+    warm.add_argument("--require-store-key", action="store_true",
+                      help="refuse to run without a store key ($CACHEBLEND_STORE_KEY); readers need the same key")
     warm.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     warm.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
@@ -204,6 +207,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     from cacheblend_rag.engine import CacheBlendEngine
     from cacheblend_rag.store.chunk_cache import ChunkCache
 
+    if args.require_store_key:  # before the model loads
+        require_store_key(store_key(None) is not None, "--require-store-key")
     texts = [chunk for path in args.files for chunk in read_chunks(path, args.for_integration)]
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     calibrated = engine.calibration()

@@ -29,6 +29,8 @@ class MemoryKVStore(KVStore):
     verifies checksums and converts to the compute dtype; what it saves is the I/O.
     """
 
+    shared = False  # this process's own memory: no one else writes it
+
     def __init__(self, max_bytes: int | None | Literal["auto"] = "auto") -> None:
         super().__init__()
         if max_bytes == "auto":

@@ -167,6 +167,10 @@ class TieredKVStore(KVStore):
 
     # ------------------------------------------------------------- admin
     @property
+    def shared(self) -> bool:
+        return any(tier.shared for tier in self.tiers)
+
+    @property
     def durable(self) -> KVStore:
         """The slowest tier, whose counters and size stand for the whole store."""
         return self.tiers[-1]
