@@ -38,14 +38,20 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, de
                          suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def api_schema(tiny_settings):
     """The app's schema over ``tiny_settings``, its lifespan started (by fetching the schema) and the model
-    ready. One app per test: Schemathesis' pytest plugin ends the lifespans it started when a test ends."""
+    ready; the lifespan is ended after the module (Schemathesis' pytest plugin, which would end it after each
+    test, is off: pyproject.toml's addopts)."""
+    from schemathesis.python import asgi
+
     app = create_app(tiny_settings)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    assert app.state.server.ready.wait(60)
-    return schema
+    try:
+        assert app.state.server.ready.wait(60)
+        yield schema
+    finally:
+        asgi.shutdown_lifespans()
 
 
 def _short_answers(case) -> None:
