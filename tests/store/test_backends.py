@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 
 import diskcache
@@ -115,6 +116,40 @@ def test_disk_store_never_unpickles(tmp_path):
             read()
     with pytest.raises(TypeError, match="bytes only"):
         store._cache.set("x", ["not", "bytes"])
+
+
+class _Detonates:
+    """A pickle whose loading makes a folder: proof that something unpickled it (harmless, and visible)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_planted_pickle_is_refused_and_never_loaded(tmp_path):
+    """diskcache's pickle advisory (CVE-2025-69872, docs/dependencies.md) does not reach this store: a pickle
+    another program plants in its folder, in the index and as a value file, is refused by every read and is
+    never loaded; the same rows read through diskcache's default Disk would run it (the last lines)."""
+    marker, path = tmp_path / "unpickled", tmp_path / "kv"
+    DiskKVStore(path).close()
+    with diskcache.Cache(str(path)) as raw:  # diskcache's own Disk pickles what is not bytes
+        raw.set("m:evil", _Detonates(marker))
+        raw.set("l:evil:w:0", [_Detonates(marker), b"x" * 200_000])  # large: a value file
+        assert any(path.rglob("*.val"))
+    with DiskKVStore(path) as store:
+        for read in (lambda: store.get_manifest("evil"), lambda: store.get_layer("evil", "w", 0),
+                     lambda: store.get_manifests(["evil"]), lambda: store.get_layers([("evil", "w", 0)])):
+            with pytest.raises(CorruptEntryError, match="unpickle"):
+                read()
+        store.contains("evil"), list(store.keys()), store.volume(), store.stats()
+        _write_chunk(store, "fine")  # writes beside the planted rows
+        assert store.get_layer("fine", "w1", 0) == bytes([0]) * 5000
+    assert not marker.exists(), "the store unpickled a planted value"
+    with diskcache.Cache(str(path)) as raw:  # the payload is live: an ordinary diskcache loads it
+        raw.get("m:evil")
+    assert marker.exists()
 
 
 def test_disk_store_wraps_io_errors(tmp_path, monkeypatch):
