@@ -17,11 +17,15 @@ last by a server-side script that checks every layer of the write is there, sets
 manifest only if none exists (the first complete write wins), and then replaces the pending
 expiry by the configured ``ttl`` (or none). Readers only read chunks that have a manifest.
 
-Reads of layer ``l`` of all chunks of a blend go out as one pipeline (one round trip), which
-the loader issues for layer ``l + 1`` while layer ``l`` computes.
+Reads of layer ``l`` of all chunks of a blend go out as one pipeline (two round trips: sizes, then
+values, below), which the loader issues for layer ``l + 1`` while layer ``l`` computes.
 
 Values are the checksummed byte format of :mod:`cacheblend_rag.store.format`; nothing is
-ever unpickled (``decode_responses`` is off and values are handed on as raw bytes).
+ever unpickled (``decode_responses`` is off and values are handed on as raw bytes). Every read asks
+for the values' sizes first (one more pipelined round trip) and reads only those no larger than any
+value of its kind (a layer: the bound model's longest chunk at 32 bits; a manifest: its JSON bound):
+an oversized value (planted, say) is never sent, so it cannot outlast the read timeout and open the
+breaker; it is a corrupt entry (deleted, counted, recomputed).
 
 Failures. A lost connection, a timeout, or a server that is restarting or loading raise
 :class:`StoreError`, which the chunk cache and the tiered store treat as a miss. Reads wait at
@@ -51,7 +55,7 @@ import redis
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
 from cacheblend_rag.store.errors import StoreError
-from cacheblend_rag.store.format import peek_manifest
+from cacheblend_rag.store.format import MAX_MANIFEST_BYTES, peek_manifest
 from cacheblend_rag.store.redis_connection import RedisConnection, positive_seconds, redact_url
 from cacheblend_rag.store.redis_layout import (
     ADD_MANIFEST_SCRIPT,
@@ -60,6 +64,7 @@ from cacheblend_rag.store.redis_layout import (
     PUT_LAYER_SCRIPT,
     RECORD_SCRIPT,
     RESTORE_SCRIPT,
+    bounded_hgets,
     corrupt_if_wrong_type,
     layer_field,
     model_namespace,
@@ -177,11 +182,8 @@ class RedisKVStore(RedisConnection, KVStore):
         if not requests:
             return []
         names = [(self._hash(key), layer_field(write_id, layer)) for key, write_id, layer in requests]
-        with self._io("read layers"):
-            pipe = self._reader.pipeline(transaction=False)
-            for name, field in names:
-                pipe.hget(name, field)
-            return self._answers(pipe.execute(raise_on_error=False))
+        with self._io("read layers"):  # bound by the model's largest layer value (bind_model); None: read whole
+            return bounded_hgets(self._reader, names, self.max_value_bytes, "layer value")
 
     def put_layer(self, key: str, write_id: str, layer: int, data: bytes) -> None:
         name = self._hash(key)
@@ -202,23 +204,9 @@ class RedisKVStore(RedisConnection, KVStore):
     def get_manifests(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        names = [self._hash(key) for key in keys]
+        names = [(self._hash(key), MANIFEST_FIELD) for key in keys]
         with self._io("read manifests"):
-            pipe = self._reader.pipeline(transaction=False)
-            for name in names:
-                pipe.hget(name, MANIFEST_FIELD)
-            return self._answers(pipe.execute(raise_on_error=False))
-
-    @staticmethod
-    def _answers(replies: list[Any]) -> list[Any]:
-        """Pipelined replies, with a key of the wrong type as a :class:`CorruptEntryError` for that chunk
-        alone (:func:`~cacheblend_rag.store.redis_layout.corrupt_if_wrong_type`); any other error raises."""
-        out = []
-        for reply in replies:
-            if isinstance(reply, Exception):
-                reply = corrupt_if_wrong_type(reply)
-            out.append(reply)
-        return out
+            return bounded_hgets(self._reader, names, MAX_MANIFEST_BYTES, "manifest")
 
     def add_manifest(self, key: str, data: bytes) -> bool:
         manifest = peek_manifest(data)  # the script needs its write id and layer count
@@ -275,9 +263,15 @@ class RedisKVStore(RedisConnection, KVStore):
 
     def manifests(self) -> Iterator[tuple[str, Any]]:
         """Every chunk's manifest in scope (every model's when no namespace is bound)."""
-        for name, (manifest,) in self._per_chunk("read manifests", lambda pipe, name: pipe.hget(name, MANIFEST_FIELD), 1):
-            if manifest is not None:
-                yield name.decode().rsplit("{", 1)[1].rstrip("}"), manifest
+        names = list(self._chunk_hashes())
+        for start in range(0, len(names), _SCAN_BATCH):
+            batch = names[start : start + _SCAN_BATCH]
+            with self._io("read manifests"):
+                manifests = bounded_hgets(self._client, [(name, MANIFEST_FIELD) for name in batch],
+                                          MAX_MANIFEST_BYTES, "manifest")
+            for name, manifest in zip(batch, manifests):
+                if manifest is not None:
+                    yield name.decode().rsplit("{", 1)[1].rstrip("}"), manifest
 
     # ---------------------------------------------------------------- admin
     def record(self, **counts: int) -> None:

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _promotable(value: Any) -> bool:
+    # A slower tier may answer a CorruptEntryError for one chunk (a Redis key of another type, a value beyond the
+    # bound): that goes to the reader, which deletes the entry in every tier; it is never copied into a faster one.
+    return isinstance(value, (bytes, bytearray, memoryview))
+
+
 class TieredKVStore(KVStore):
     """``TieredKVStore(memory, disk)``, or any number of tiers, fastest first."""
 
@@ -65,8 +71,9 @@ class TieredKVStore(KVStore):
             ok, value = self._call(i, lambda t=tier: get(t))
             answered |= ok
             if value is not None:
-                for j in range(i):
-                    self._call(j, lambda t=self.tiers[j]: promote(t, value))
+                if _promotable(value):
+                    for j in range(i):
+                        self._call(j, lambda t=self.tiers[j]: promote(t, value))
                 return value
         if not answered:
             raise StoreError(f"every tier of {self.describe()} failed to read")
@@ -116,7 +123,7 @@ class TieredKVStore(KVStore):
             for j, value in zip(todo, values):
                 if value is not None:
                     results[j] = value
-                    for faster in range(i):
+                    for faster in range(i if _promotable(value) else 0):
                         self._call(faster, lambda t=self.tiers[faster], r=requests[j], v=value: promote(t, r, v))
             todo = [j for j, value in zip(todo, values) if value is None]
         if not answered and requests:

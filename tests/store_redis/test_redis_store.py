@@ -107,7 +107,11 @@ def test_layer_reads_are_one_pipelined_round_trip(redis_url, monkeypatch):
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
     assert store.get_layers([(key, "w", 0) for key in "abcdef"]) == [key.encode() for key in "abcdef"]
-    assert executed == [6]
+    assert executed == [6]  # unbound (no model): the values alone
+    executed.clear()
+    store.max_value_bytes = 1 << 20  # bound (ChunkCache.bind_model): their sizes first, then the values
+    assert store.get_layers([(key, "w", 0) for key in "abcdef"]) == [key.encode() for key in "abcdef"]
+    assert executed == [6, 6]
 
 
 @pytest.mark.parametrize("password,message", [("wrong", "rejected the credentials"), ("", "requires a password")])
@@ -191,3 +195,20 @@ def test_a_replica_chain_opens_from_one_spec(redis_url, tmp_path):
     assert store.tiers[-1].prefix == "app"
     store.bind_model("model-A")
     assert store.tiers[-1].namespace == model_namespace("model-A")
+
+
+def test_a_redis_store_without_a_key_is_warned_about_once(engine, redis_url, caplog, monkeypatch):
+    import logging
+
+    monkeypatch.delenv("CACHEBLEND_STORE_KEY", raising=False)
+    store = RedisKVStore(redis_url)
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.store_key"):
+        with ChunkCache(engine, store, storage_dtype="float32") as cache:
+            ids = [engine.tokenize(t) for t in corpus(2)]
+            cache.warm(ids)
+            for _ in range(2):
+                engine.blend([*(StoredSegment(i) for i in ids), FreshSegment(engine.tokenize(QUESTION))], store=cache)
+        ChunkCache(engine, store, storage_dtype="float32").close()
+        ChunkCache(engine, RedisKVStore(redis_url), auth_key="0123456789abcdef").close()  # with a key: quiet
+    warnings = [r.getMessage() for r in caplog.records if "without a store key" in r.getMessage()]
+    assert len(warnings) == 1 and "RedisKVStore(" in warnings[0]  # per store opened, not per request or cache
