@@ -39,19 +39,25 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, de
 
 
 @pytest.fixture(scope="module")
-def api_schema(tiny_settings):
-    """The app's schema over ``tiny_settings``, its lifespan started (by fetching the schema) and the model
-    ready; the lifespan is ended after the module (Schemathesis' pytest plugin, which would end it after each
-    test, is off: pyproject.toml's addopts)."""
+def api_schema():
+    """The app's schema over a tiny model of its own (what the fuzzer leaves in the caches must not reach the
+    other tests' shared ``tiny_settings``: their cached-token counts), its lifespan started (by fetching the
+    schema) and the model ready; the lifespan is ended after the module (Schemathesis' pytest plugin, which
+    would end it after each test, is off: pyproject.toml's addopts)."""
     from schemathesis.python import asgi
 
-    app = create_app(tiny_settings)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    from cacheblend_rag.serving import CacheBlendSettings
+    from cacheblend_rag.testing import tiny_engine
+
+    own = CacheBlendSettings(engine=tiny_engine("llama"), store_path="memory", temperature=0)
+    app = create_app(own)
     try:
+        schema = schemathesis.openapi.from_asgi("/openapi.json", app)
         assert app.state.server.ready.wait(60)
         yield schema
     finally:
         asgi.shutdown_lifespans()
+        own.service.scheduler.close()
 
 
 def _short_answers(case) -> None:
