@@ -14,10 +14,9 @@ from pydantic import ValidationError
 from cacheblend_rag.server import ServerConfig, ServerThread, create_app
 from cacheblend_rag.server.errors import api_error
 from cacheblend_rag.serving import CacheBlendSettings
-from cacheblend_rag.store import MemoryKVStore, open_store
-from cacheblend_rag.store.schemes import SCHEMES
+from cacheblend_rag.store import open_store
 from cacheblend_rag.store.urls import STORE_PASSWORD_ENV, is_masked, redact, redact_url, split_password, with_password
-from cacheblend_rag.testing import tiny_engine
+from cacheblend_rag.testing import record_store_opens, tiny_engine
 
 SECRET = "hunter2-s3cr3t"
 CHUNKS = ["The Nile flows north through eleven countries into the Mediterranean Sea.",
@@ -27,15 +26,7 @@ CHUNKS = ["The Nile flows north through eleven countries into the Mediterranean 
 @pytest.fixture
 def opened(monkeypatch) -> list[str]:
     """The specs a ``secretdb://`` store was opened with (a memory store: no server needed)."""
-    specs: list[str] = []
-
-    def factory(spec: str, size_limit=None, **options) -> MemoryKVStore:
-        specs.append(spec)
-        return MemoryKVStore()
-
-    monkeypatch.setitem(SCHEMES, "secretdb", factory)
-    monkeypatch.delenv(STORE_PASSWORD_ENV, raising=False)
-    return specs
+    return record_store_opens(monkeypatch)
 
 
 @pytest.mark.parametrize("spec, masked, password", [

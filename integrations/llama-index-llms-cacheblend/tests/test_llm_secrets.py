@@ -12,9 +12,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.llms import ChatMessage
 
-from cacheblend_rag.store import MemoryKVStore
-from cacheblend_rag.store.schemes import SCHEMES
-from cacheblend_rag.testing import tiny_engine
+from cacheblend_rag.testing import record_store_opens, tiny_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 
 SECRET = "hunter2-s3cr3t"
@@ -25,15 +23,7 @@ MASKED = "secretdb://user:***@kv.internal:6379/0"
 @pytest.fixture
 def opened(monkeypatch) -> list[str]:
     """The specs a ``secretdb://`` store was opened with (a memory store: no server needed)."""
-    specs: list[str] = []
-
-    def factory(spec: str, size_limit=None, **options) -> MemoryKVStore:
-        specs.append(spec)
-        return MemoryKVStore()
-
-    monkeypatch.setitem(SCHEMES, "secretdb", factory)
-    monkeypatch.delenv("CACHEBLEND_STORE_PASSWORD", raising=False)
-    return specs
+    return record_store_opens(monkeypatch)
 
 
 class Events(BaseEventHandler):

@@ -13,9 +13,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.load import dumpd, dumps, loads
 from langchain_core.tracers.run_collector import RunCollectorCallbackHandler
 
-from cacheblend_rag.store import MemoryKVStore
-from cacheblend_rag.store.schemes import SCHEMES
-from cacheblend_rag.testing import tiny_engine
+from cacheblend_rag.testing import record_store_opens, tiny_engine
 from langchain_cacheblend import ChatCacheBlend
 
 SECRET = "hunter2-s3cr3t"
@@ -26,15 +24,7 @@ PLACEHOLDER = {"lc": 1, "type": "secret", "id": ["CACHEBLEND_STORE_PASSWORD"]}
 @pytest.fixture
 def opened(monkeypatch) -> list[str]:
     """The specs a ``secretdb://`` store was opened with (a memory store: no server needed)."""
-    specs: list[str] = []
-
-    def factory(spec: str, size_limit=None, **options) -> MemoryKVStore:
-        specs.append(spec)
-        return MemoryKVStore()
-
-    monkeypatch.setitem(SCHEMES, "secretdb", factory)
-    monkeypatch.delenv("CACHEBLEND_STORE_PASSWORD", raising=False)
-    return specs
+    return record_store_opens(monkeypatch)
 
 
 class Seen(BaseCallbackHandler):
