@@ -231,8 +231,10 @@ def _cache_bytes(env: Any) -> dict[str, Any]:
     """What the bounded caches hold: growth of RSS within these is no leak."""
     service = env.llms["llamaindex"].service
     prefix, spans = service.prefix_cache, service.segment_cache
+    resident = env.chunk_cache.resident
     return {"prefix_cache_bytes": prefix.stats().bytes if prefix is not None else 0,
-            "segment_cache_bytes": spans.stats().bytes if spans is not None else 0}
+            "segment_cache_bytes": spans.stats().bytes if spans is not None else 0,
+            "resident_bytes": resident.stats()["bytes"] if resident is not None else 0}
 
 
 def _torch_threads() -> int:
