@@ -154,22 +154,3 @@ def script_answers(llm: Any, monkeypatch: Any, *answers: list[str]) -> None:
     streams (thinking, tool calls). ``monkeypatch``: pytest's, which undoes it after the test."""
     real_stream, queue = llm.service.stream, list(answers)
     monkeypatch.setattr(llm.service, "stream", lambda *a, **k: ScriptedStream(real_stream(*a, **k), queue.pop(0)))
-
-
-def record_store_opens(monkeypatch: Any, scheme: str = "secretdb") -> list[str]:
-    """Register ``scheme://`` as a store that is a fresh memory store, and return the list of the specs it is
-    opened with: for tests of what becomes of a store URL (its password) without a server to reach.
-    ``$CACHEBLEND_STORE_PASSWORD`` is unset for the test. ``monkeypatch``: pytest's, which undoes both."""
-    from cacheblend_rag.store import MemoryKVStore
-    from cacheblend_rag.store.schemes import SCHEMES
-    from cacheblend_rag.store.urls import STORE_PASSWORD_ENV
-
-    specs: list[str] = []
-
-    def factory(spec: str, size_limit: Any = None, **options: Any) -> MemoryKVStore:
-        specs.append(spec)
-        return MemoryKVStore()
-
-    monkeypatch.setitem(SCHEMES, scheme, factory)
-    monkeypatch.delenv(STORE_PASSWORD_ENV, raising=False)
-    return specs

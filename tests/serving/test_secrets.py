@@ -16,7 +16,8 @@ from cacheblend_rag.server.errors import api_error
 from cacheblend_rag.serving import CacheBlendSettings
 from cacheblend_rag.store import open_store
 from cacheblend_rag.store.urls import STORE_PASSWORD_ENV, is_masked, redact, redact_url, split_password, with_password
-from cacheblend_rag.testing import record_store_opens, tiny_engine
+from cacheblend_rag.store.testing import record_store_opens
+from cacheblend_rag.testing import tiny_engine
 
 SECRET = "hunter2-s3cr3t"
 CHUNKS = ["The Nile flows north through eleven countries into the Mediterranean Sea.",

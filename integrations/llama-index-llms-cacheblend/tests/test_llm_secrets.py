@@ -12,7 +12,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.llms import ChatMessage
 
-from cacheblend_rag.testing import record_store_opens, tiny_engine
+from cacheblend_rag.store.testing import record_store_opens
+from cacheblend_rag.testing import tiny_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 
 SECRET = "hunter2-s3cr3t"

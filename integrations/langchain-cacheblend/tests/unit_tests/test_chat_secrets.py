@@ -13,7 +13,8 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.load import dumpd, dumps, loads
 from langchain_core.tracers.run_collector import RunCollectorCallbackHandler
 
-from cacheblend_rag.testing import record_store_opens, tiny_engine
+from cacheblend_rag.store.testing import record_store_opens
+from cacheblend_rag.testing import tiny_engine
 from langchain_cacheblend import ChatCacheBlend
 
 SECRET = "hunter2-s3cr3t"
