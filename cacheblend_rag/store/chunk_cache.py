@@ -196,12 +196,17 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         if getattr(exc, "warned", False):  # the store warned when this began
             logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
             return
-        kind = type(exc).__name__
-        now = time.monotonic()
-        if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
-            self._last_warning[kind] = now
+        if self._due(type(exc).__name__):
             logger.warning("KV store %s failed to %s (%s); answering by computing chunk KV fresh",
                            self.store.describe(), what, exc)
+
+    def _due(self, kind: str) -> bool:
+        """Whether a warning of ``kind`` may be logged now: at most one a minute of each kind."""
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -_WARN_INTERVAL_S) < _WARN_INTERVAL_S:
+            return False
+        self._last_warning[kind] = now
+        return True
 
     # ---------------------------------------------------------------- reads
     def _keep_stored_resident(self, key: str, manifest: Manifest, read: dict[int, PackedLayer]) -> None:
@@ -311,11 +316,12 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         nbytes = sum(t.nelement() * t.element_size() for t in (*chunk.keys, *chunk.values))
         with self._pending_lock:
             queued = self._write_backs["queued_bytes"] + nbytes <= self.write_back_bytes
-            self._write_backs["queued_bytes" if queued else "dropped"] += nbytes if queued else 1
+            if queued:
+                self._write_backs["queued_bytes"] += nbytes
+            else:
+                self._write_backs["dropped"] += 1
         if not queued:
-            now = time.monotonic()
-            if now - self._last_warning.get("write-back queue full", -_WARN_INTERVAL_S) >= _WARN_INTERVAL_S:
-                self._last_warning["write-back queue full"] = now
+            if self._due("write-back queue full"):
                 logger.warning("the write-back queue to KV store %s holds its bound of %d bytes (the store is slower "
                                "than the misses): missed chunks are not written back, and are computed again when "
                                "next needed (counted as write_backs_dropped; write_back_bytes= raises the bound)",

@@ -20,7 +20,6 @@ Bounded by bytes, least recently used first.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.store.memory_budget import usable_memory
 
 DEFAULT_CUDA_BYTES = 2 << 30
 DEFAULT_CPU_BYTES = 1 << 30
@@ -67,26 +67,19 @@ class Capture:
 
 def resident_budget(max_bytes: int | None, device: torch.device) -> int:
     """``max_bytes`` checked; ``None`` is the device's default: 2 GiB of page-locked memory for a CUDA engine;
-    on a CPU 1 GiB, or a sixteenth of the machine's memory where that is less. A CPU blend hides the wait for the
+    on a CPU 1 GiB, or a sixteenth of the memory this process may use (memory_budget.usable_memory: the machine's,
+    or its cgroup's limit) where that is less. A CPU blend hides the wait for the
     store's reads behind its arithmetic, but not their cost: the loader thread's index lookups, reads, checksums
     and finite checks (280 entries for 10 chunks of a 28-layer model) take cores the blend's matrix products
     need. The agentic-RAG answering call (10 passages of 300 tokens, bfloat16, a 2-core Xeon with AMX, variants
     interleaved in one process) took 2.81 s from the disk store and 2.71 s from this tier on Qwen2.5-Coder-1.5B,
     0.71 s and 0.67 s on SmolLM2."""
     if max_bytes is None:
-        return DEFAULT_CUDA_BYTES if device.type == "cuda" else min(DEFAULT_CPU_BYTES, _physical_memory() // 16)
+        return DEFAULT_CUDA_BYTES if device.type == "cuda" else min(DEFAULT_CPU_BYTES, usable_memory() // 16)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ConfigError(f"resident_bytes={max_bytes!r} must be a number of bytes (0 turns the host-memory tier "
                           "off), or None for the device's default")
     return max_bytes
-
-
-def _physical_memory() -> int:
-    """The machine's memory in bytes (where the platform does not say: as if 16 GiB)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return 16 << 30
 
 
 class ResidentChunks:
