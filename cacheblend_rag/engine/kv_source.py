@@ -32,6 +32,12 @@ class CachedKVSource(ABC):
         """Tokens of the chunks whose KV was computed for this request (misses and load failures)."""
         return 0
 
+    @property
+    def memory_hits(self) -> int:
+        """Stored chunks whose KV came from the chunk cache's host-memory tier (resident) instead of a store
+        read: a share of the hits, which the response's per-request ``chunk_tiers`` tells apart."""
+        return 0
+
     @abstractmethod
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -117,6 +123,10 @@ class InterleavedKVSource(CachedKVSource):
     @property
     def computed_tokens(self) -> int:
         return sum(p.computed_tokens for p, _ in self.parts)
+
+    @property
+    def memory_hits(self) -> int:
+        return sum(p.memory_hits for p, _ in self.parts)
 
     def lossless(self) -> list[bool]:
         flags = [source.lossless() for source, _ in self.parts]

@@ -29,6 +29,9 @@ class BlendStats:
     exact_kv_tokens: int = 0
     selected_positions: list[int] = field(default_factory=list)
     cache_hits: int = 0  # chunks whose stored KV was used
+    # of the cache hits, stored chunks whose K/V the chunk cache's host-memory tier (resident) held, so no
+    # store read was needed (a memory *store* is still a store read)
+    memory_hits: int = 0
     cache_misses: int = 0  # chunks with no valid entry, computed for this request
     load_failures: int = 0  # chunks with an entry that could not be read whole, computed instead
     loaded_tokens: int = 0  # cached tokens whose KV came from the store (or was passed in), not computed here

@@ -10,6 +10,16 @@ from cacheblend_rag.engine.segments import Segment, StoredSegment
 from cacheblend_rag.prompting import chunk_texts
 
 
+def chunk_tiers(stats: dict[str, Any]) -> dict[str, int]:
+    """``{"memory", "store", "computed"}``: a request's stored chunks by where their K/V came from
+    (:meth:`~cacheblend_rag.serving.service.Served.stats`), from ``stats`` once segment-cache spans are out
+    of its ``cache_hits``."""
+    hits = int(stats.get("cache_hits") or 0)
+    memory = min(hits, int(stats.get("memory_hits") or 0))  # memory_hits counts stored chunks only: within hits
+    computed = int(stats.get("cache_misses") or 0) + int(stats.get("load_failures") or 0)
+    return {"memory": memory, "store": hits - memory, "computed": computed}
+
+
 class AnnouncedChunks:
     """Chunk texts that upcoming prompts are expected to contain: a bounded LRU.
 
@@ -69,7 +79,8 @@ class AnnouncedChunks:
 
     def account(self, stats: dict[str, Any], segments: Sequence[Segment]) -> dict[str, Any]:
         """``stats`` with the store hits split: ``cache_hits`` counts chunks loaded as they were stored
-        before this request, ``precomputed_for_request`` those the retrieval side computed for it."""
+        before this request, ``precomputed_for_request`` those the retrieval side computed for it (also
+        moved to ``chunk_tiers["computed"]``)."""
         stored = [tuple(s.token_ids) for s in segments if isinstance(s, StoredSegment)]
         with self._lock:
             noted = [ids for ids in stored if ids in self._computed]
@@ -77,6 +88,13 @@ class AnnouncedChunks:
         computed = min(len(noted), int(stats.get("cache_hits") or 0))  # a full-prefill answer loaded none
         stats["cache_hits"] = int(stats.get("cache_hits") or 0) - computed
         stats["precomputed_for_request"] = computed
+        tiers = stats.get("chunk_tiers")
+        if computed and isinstance(tiers, dict):
+            # Computed for this request, then read back: "computed", not a hit of either tier. Warming writes
+            # to the store, not the host-memory tier, so they were store reads, unless the tier held them.
+            from_store = min(computed, tiers["store"])
+            tiers.update(store=tiers["store"] - from_store, memory=tiers["memory"] - (computed - from_store),
+                         computed=tiers["computed"] + computed)
         return stats
 
     def __len__(self) -> int:

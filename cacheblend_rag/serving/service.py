@@ -45,7 +45,7 @@ from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.engine.text import checked_special_tokens
 from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens, split_prompt, to_segments_in_context
-from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts
+from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_texts, chunk_tiers
 from cacheblend_rag.serving.registry import scheduler_for
 from cacheblend_rag.serving.scheduler import RequestHandle
 from cacheblend_rag.serving.segment_cache import SegmentCache
@@ -87,7 +87,16 @@ class Served:
         """Flat, JSON-friendly stats (LlamaIndex ``additional_kwargs``, LangChain ``response_metadata["cacheblend"]``):
         the blend's and what was found of the chunks, this request's own counts only. What the caches hold
         and their counters over all requests are :meth:`BlendService.stats`: in every answer, they would let
-        one user watch another's requests (a hit count that grows is someone's prompt)."""
+        one user watch another's requests (a hit count that grows is someone's prompt).
+
+        ``chunk_tiers`` counts this request's stored chunks by where their K/V came from: ``memory`` the chunk
+        cache's host-memory tier, ``store`` a read of the store (disk, Redis, a memory store...), ``computed``
+        computed for this request (a miss, or an entry that failed mid-read; the integrations then move chunks
+        the retrieval side computed for it, ``precomputed_for_request``, here too). So ``memory + store`` is
+        ``cache_hits`` and ``computed`` is ``cache_misses + load_failures`` (+ ``precomputed_for_request``).
+        Segment-cache spans and the prefix cache's tokens are not chunks and are not counted
+        (``segment_tokens``, ``prefix_tokens``). A ``full_prefill`` answer (reuse off, no chunk found, a
+        fallback) used no chunk's K/V: all zeros, its chunks' tokens are among its ``fresh_tokens``."""
         stats = self.result.stats_dict()
         stats.update(chunks_found=self.prompt.chunks_found, chunks_missing=self.prompt.chunks_missing,
                      recompute_ratio=self.recompute_ratio, model=self.model)
@@ -96,6 +105,7 @@ class Served:
             stats["cache_hits"] = max(0, int(stats.get("cache_hits") or 0) - self.prompt.segment_hits)
         if stats.get("fallback_reason") is None and stats["mode"] in ("full_prefill", "prefix_cached"):
             stats["fallback_reason"] = self.prompt.reason  # why no chunk K/V was reused, if none was found
+        stats["chunk_tiers"] = chunk_tiers(stats)
         return stats
 
 

@@ -187,6 +187,12 @@ class PipelinedKVSource(CachedKVSource):
     def computed_tokens(self) -> int:
         return sum(len(c.segment.token_ids) for c in self.chunks if c.fresh is not None)
 
+    @property
+    def memory_hits(self) -> int:
+        # Counted from the plan open_source made: a resident chunk is copied from host memory and never
+        # fails mid-read (it was verified when kept), so every one planned is a hit.
+        return sum(c.resident is not None for c in self.chunks)
+
     def close(self) -> None:
         if self.on_done is not None:
             done, self.on_done = self.on_done, None
