@@ -40,7 +40,8 @@ def create_app(source: Union[CacheBlendSettings, ServerConfig, None] = None, *,
     """The server's app for ``source``: settings already loaded (the app then never closes their scheduler),
     or a :class:`ServerConfig` to load in the background (``None``: the default model, in memory).
     ``options`` set :class:`ServerConfig`'s HTTP fields (``served_model_name``, ``api_key``,
-    ``max_body_bytes``, ``default_max_tokens``, ``warmup``); ``on_failure`` is called if loading fails."""
+    ``max_body_bytes``, ``default_max_tokens``, ``warmup``, ``replica_id``); ``on_failure`` is called if loading
+    fails."""
     if source is None:
         source = ServerConfig()
     if isinstance(source, ServerConfig):
@@ -85,7 +86,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
                            param="model", code="model_not_found")
         return await answer(state, metrics, body, request)
 
-    @app.post("/v1/documents/warm", response_model=WarmResponse, responses=WARM_ERRORS)
+    # exclude_none: a server without a replica_id answers without a "replica" key, not with a null one.
+    @app.post("/v1/documents/warm", response_model=WarmResponse, response_model_exclude_none=True,
+              responses=WARM_ERRORS)
     async def warm_documents(body: WarmRequest) -> dict[str, Any]:
         settings = _ready(state)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
@@ -97,7 +100,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         metrics.warmed.labels(result="already_stored").inc(summary.present)
         metrics.warmed.labels(result="failed").inc(summary.failed)
         return {"object": "documents.warm", "documents": len(texts), "computed": summary.new,
-                "already_stored": summary.present, "failed": summary.failed}
+                "already_stored": summary.present, "failed": summary.failed, "replica": state.config.replica_id}
 
     @app.get("/v1/models", response_model=ModelList, responses=READ_ERRORS)
     async def list_models() -> dict[str, Any]:

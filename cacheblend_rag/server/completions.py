@@ -77,7 +77,8 @@ async def answer(state: ServerState, metrics: ServerMetrics, body: ChatCompletio
         return Response(status_code=CLIENT_CLOSED)
     except Exception as exc:  # noqa: BLE001 - every failure is answered in OpenAI's shape
         raise api_error(exc) from exc
-    return JSONResponse(completion(result, id=completion_id(), created=int(time.time()), model=state.name))
+    return JSONResponse(completion(result, id=completion_id(), created=int(time.time()), model=state.name,
+                                   replica=state.config.replica_id))
 
 
 async def _collect(run: TurnRun) -> Answer:
@@ -128,7 +129,8 @@ async def _stream(run: TurnRun, metrics: ServerMetrics, request: Request) -> Res
         await events.aclose()
         raise api_error(exc) from exc
     options = run.request.stream_options
-    writer = ChunkWriter(run.state.name, include_usage=bool(options and options.include_usage))
+    writer = ChunkWriter(run.state.name, include_usage=bool(options and options.include_usage),
+                         replica=run.state.config.replica_id)
     return StreamingResponse(_chunks(writer, first, events, metrics), media_type="text/event-stream",
                              headers=_STREAM_HEADERS)
 

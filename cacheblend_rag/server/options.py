@@ -54,6 +54,10 @@ class ServerConfig:
     # Close the engine's scheduler at shutdown (settings the server loaded itself); False leaves it to whoever
     # else holds the engine in this process (one engine per model is shared by every settings object).
     close_on_shutdown: bool = True
+    # This server's name among replicas behind one address: each chat completion's ``cacheblend`` stats and each
+    # /v1/documents/warm answer then say ``"replica": replica_id``, so a client or a test can tell which one
+    # answered (and whose caches it hit). None: no such key.
+    replica_id: Optional[str] = None
 
     @property
     def name(self) -> str:

@@ -3,7 +3,8 @@
 Built as plain dicts (the exact keys OpenAI's clients read), from the events
 :func:`~cacheblend_rag.serving.chat_turn.run_turn` yields. ``usage.prompt_tokens_details.cached_tokens`` is
 always present (0 included): clients that read it need not test for it. ``cacheblend`` carries the turn's
-stats (:attr:`~cacheblend_rag.serving.chat_turn.TurnEnd.stats`), made JSON-safe.
+stats (:attr:`~cacheblend_rag.serving.chat_turn.TurnEnd.stats`), made JSON-safe, with ``replica`` where the
+server has a ``replica_id``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def json_safe(value: Any) -> Any:
     return str(value)
 
 
+def cacheblend_stats(end: TurnEnd, replica: Optional[str] = None) -> dict[str, Any]:
+    """The body's ``cacheblend``: the turn's stats, JSON-safe, naming the replica that answered when it has a name."""
+    stats = json_safe(end.stats)
+    if replica is not None:
+        stats["replica"] = replica
+    return stats
+
+
 def finish_reason(end: TurnEnd, calls: Sequence[ToolCall]) -> str:
     return "tool_calls" if calls else FINISH_REASONS.get(end.finish_reason, "stop")
 
@@ -66,8 +75,10 @@ class Answer:
     end: Optional[TurnEnd] = None
 
 
-def completion(answer: Answer, *, id: str, created: int, model: str) -> dict[str, Any]:
-    """A ``chat.completion`` body (``content`` null when the answer is only tool calls)."""
+def completion(answer: Answer, *, id: str, created: int, model: str, replica: Optional[str] = None
+               ) -> dict[str, Any]:
+    """A ``chat.completion`` body (``content`` null when the answer is only tool calls); ``replica``: the
+    server's ``replica_id``."""
     assert answer.end is not None
     text = "".join(answer.text)
     message: dict[str, Any] = {"role": "assistant", "content": None if answer.calls and not text else text}
@@ -78,16 +89,18 @@ def completion(answer: Answer, *, id: str, created: int, model: str) -> dict[str
     return {"id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(answer.end, answer.calls),
                          "logprobs": None}],
-            "usage": usage(answer.end), "cacheblend": json_safe(answer.end.stats)}
+            "usage": usage(answer.end), "cacheblend": cacheblend_stats(answer.end, replica)}
 
 
 @dataclass
 class ChunkWriter:
     """The chunks of one stream, sharing its id, creation time and model; ``usage`` is null on each but the
-    last when the client asked for usage (``stream_options.include_usage``), as OpenAI writes them."""
+    last when the client asked for usage (``stream_options.include_usage``), as OpenAI writes them; ``replica``:
+    the server's ``replica_id``, in the last chunk's stats."""
 
     model: str
     include_usage: bool = False
+    replica: Optional[str] = None
     id: str = field(default_factory=completion_id)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,7 +114,7 @@ class ChunkWriter:
     def usage_chunk(self, end: TurnEnd) -> dict[str, Any]:
         """The last chunk (with ``include_usage``): no choices, the usage and our stats."""
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(end), "cacheblend": json_safe(end.stats)}
+                "choices": [], "usage": usage(end), "cacheblend": cacheblend_stats(end, self.replica)}
 
 
 def sse(body: Any) -> str:
@@ -109,5 +122,5 @@ def sse(body: Any) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-__all__ = ["Answer", "ChunkWriter", "FINISH_REASONS", "completion", "completion_id", "finish_reason", "json_safe",
-           "sse", "tool_calls", "usage"]
+__all__ = ["Answer", "ChunkWriter", "FINISH_REASONS", "cacheblend_stats", "completion", "completion_id",
+           "finish_reason", "json_safe", "sse", "tool_calls", "usage"]

@@ -81,6 +81,7 @@ class WarmResponse(BaseModel):
     computed: int
     already_stored: int
     failed: int
+    replica: Optional[str] = None  # the server's replica_id; absent when it has none
 
 
 class ModelCard(BaseModel):
