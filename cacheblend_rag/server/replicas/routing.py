@@ -1,0 +1,121 @@
+"""Which replica a request goes to, by its documents: the policy of the chunk router, free of Ray.
+
+A request's documents are known before it is tokenized: each is named by a digest of its text with its
+whitespace normalized (:func:`document_digest`), the same on every front end, so every router in a
+cluster agrees without talking to the others. For each replica the policy counts how many of the
+request's documents it holds in its memory tier: what the replica last reported (its routing stats,
+every few seconds) and where this router itself sent those documents since. The replica holding most
+wins; among equals (a document set seen nowhere yet), rendezvous hashing of the whole set picks one, so
+a set has one home, a new replica takes over only the sets it now wins and a lost one hands over only
+its own. A preferred replica whose queue is ``spill_threshold`` or more requests longer than the
+shortest is passed over for the least loaded one, so a hot document set cannot pin a replica while the
+others idle; a request without documents is left to Ray's default choice (power of two choices).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+# Requests a preferred replica's queue may be ahead of the shortest one before a request spills over.
+DEFAULT_SPILL_THRESHOLD = 3
+# Documents whose placement a router remembers (each a 16-character digest and a replica id).
+DEFAULT_REMEMBERED = 65536
+# The paths whose body's "documents" route a request; every other request goes by Ray's default.
+ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/documents/warm"})
+
+
+def document_digest(text: str) -> str:
+    """A document's routing name: 16 hex digits of SHA-256 over its text with runs of whitespace made one
+    space (a retriever that re-wraps a passage still sends it to the replica that holds it)."""
+    return hashlib.sha256(" ".join(text.split()).encode("utf-8")).hexdigest()[:16]
+
+
+def request_documents(path: str, body: bytes) -> list[str]:
+    """The digests of the documents a request body brings (``documents``: strings or ``{"text": ...}``), in
+    order; ``[]`` for another path or a body that is not such JSON (the replica answers its error)."""
+    if path not in ROUTED_PATHS or not body:
+        return []
+    try:
+        documents = json.loads(body).get("documents")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return []
+    if not isinstance(documents, list):
+        return []
+    texts = [d if isinstance(d, str) else d.get("text") if isinstance(d, dict) else None for d in documents]
+    return [document_digest(t) for t in texts if isinstance(t, str)]
+
+
+def rendezvous_weight(replica_id: str, key: str) -> int:
+    """Highest-random-weight hashing: each (replica, key) pair's weight, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(f"{replica_id}\0{key}".encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a router knows of one replica: its id, its queue (``None``: not probed lately) and the
+    documents it last reported holding in its memory tier."""
+
+    id: str
+    queue: Optional[int] = None
+    held: frozenset[str] = field(default_factory=frozenset)
+
+
+class ChunkRouting:
+    """The chunk router's choice (module docstring); one per router, not thread-safe (Ray calls a router
+    on one event loop)."""
+
+    def __init__(self, spill_threshold: int = DEFAULT_SPILL_THRESHOLD, remembered: int = DEFAULT_REMEMBERED) -> None:
+        if isinstance(spill_threshold, bool) or not isinstance(spill_threshold, int) or spill_threshold < 1:
+            raise ValueError(f"spill_threshold={spill_threshold!r} must be a positive number of requests")
+        if isinstance(remembered, bool) or not isinstance(remembered, int) or remembered < 0:
+            raise ValueError(f"remembered={remembered!r} must be a number of documents >= 0")
+        self.spill_threshold = spill_threshold
+        self.remembered = remembered
+        self._placed: OrderedDict[str, str] = OrderedDict()  # document digest -> replica id, oldest first
+
+    def rank(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[list[str]]:
+        """Replica ids in order of preference, as Ray's ranks: ``[[first], [the others, best first]]``;
+        ``[]`` when there are no documents or no replicas (Ray's default choice then)."""
+        if not documents or not replicas:
+            return []
+        wanted = set(documents)
+        set_key = "\n".join(sorted(wanted))
+
+        def held(replica: ReplicaView) -> int:
+            return sum(1 for d in wanted if d in replica.held or self._placed.get(d) == replica.id)
+
+        order = sorted(replicas, key=lambda r: (-held(r), -rendezvous_weight(r.id, set_key)))
+        first = order[0]
+        queues = [r.queue for r in replicas if r.queue is not None]
+        if first.queue is not None and queues and first.queue - min(queues) >= self.spill_threshold:
+            first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
+        return [[first.id], [r.id for r in order if r.id != first.id]]
+
+    def placed(self, documents: Sequence[str], replica_id: str) -> None:
+        """Remember that ``documents`` went to ``replica_id`` (its memory tier will hold them)."""
+        if not self.remembered:
+            return
+        for digest in documents:
+            self._placed.pop(digest, None)
+            self._placed[digest] = replica_id
+        while len(self._placed) > self.remembered:
+            self._placed.popitem(last=False)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica left: what it held is gone with it."""
+        for digest in [d for d, r in self._placed.items() if r == replica_id]:
+            del self._placed[digest]
+
+
+def held_documents(routing_stats: Any) -> frozenset[str]:
+    """The documents a replica's routing stats say it holds (``{"documents": [...]}``), safely."""
+    documents = routing_stats.get("documents") if isinstance(routing_stats, dict) else None
+    return frozenset(d for d in documents if isinstance(d, str)) if isinstance(documents, list) else frozenset()
+
+
+__all__ = ["ChunkRouting", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView", "document_digest",
+           "held_documents", "rendezvous_weight", "request_documents"]
