@@ -47,10 +47,12 @@ class ReplicaOptions:
     graceful_shutdown_s: int = DEFAULT_GRACEFUL_SHUTDOWN_S
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "min_replicas", "max_replicas", "threads"):
+        for name, flag in (("replicas", "--replicas"), ("min_replicas", "--min-replicas"),
+                           ("max_replicas", "--max-replicas"), ("threads", "--replica-threads"),
+                           ("spill_threshold", "spill_threshold")):  # the router refuses it too, but inside Ray
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r} must be a positive whole number")
+                raise ConfigError(f"{flag} {value!r} must be a positive whole number")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ConfigError("autoscaling needs both --min-replicas and --max-replicas")
         if self.min_replicas is not None and not self.min_replicas <= self.replicas <= self.max_replicas:
@@ -71,8 +73,8 @@ def check_shared_store(store: Optional[str], replicas: int) -> None:
     if replicas < 2:
         return
     spec = store or ""
-    shared = spec.startswith(SHARED_SCHEMES) or (spec.startswith("tiered:") and
-                                                 spec.partition(",")[2].startswith(SHARED_SCHEMES))
+    behind = spec.partition(",")[2] if spec.startswith("tiered:") else spec
+    shared = behind.lower().startswith(SHARED_SCHEMES)  # open_store reads a URL's scheme in any case (REDIS://)
     if not shared:
         raise ConfigError(f"--store {redact(spec) or '(none)'} is not shared: {replicas} replicas would each keep "
                           "chunk K/V of their own, computing every document again and never finding another "
@@ -86,8 +88,10 @@ def replica_resources(options: ReplicaOptions, *, local: bool) -> tuple[float, O
     (else one CPU, torch's default threads)."""
     if not local:
         return float(options.threads or 1), options.threads
-    share = (os.cpu_count() or 1) / options.most_replicas
-    share = float(int(share)) if share >= 1 else round(share, 2)  # Ray takes fractions of one CPU only
+    cores = os.cpu_count() or 1
+    share = cores / options.most_replicas
+    # Ray takes fractions of one CPU only; rounded down, so that all of them fit (3 on 2 cores: 0.66, not 0.67).
+    share = float(int(share)) if share >= 1 else cores * 100 // options.most_replicas / 100
     threads = options.threads or max(1, int(share))
     return min(float(threads), share), threads
 

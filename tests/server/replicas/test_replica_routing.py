@@ -1,0 +1,240 @@
+"""The chunk router's policy (``cacheblend_rag.server.replicas.routing``), without Ray: document digests, the
+documents of a request body, rendezvous homes (order-free, fair, moving only what a change of replicas must),
+held documents over rendezvous, remembered placements, and the load spill."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+
+from cacheblend_rag.server.replicas.routing import (ChunkRouting, ReplicaView, document_digest, held_documents,
+                                                    rendezvous_weight, request_documents)
+
+REPLICAS = ["replica-a", "replica-b", "replica-c"]
+
+
+def views(ids) -> list[ReplicaView]:
+    return [ReplicaView(id=i) for i in ids]
+
+
+def home(ids, documents, routing=None) -> str:
+    """The first choice for ``documents`` among replicas ``ids`` that hold nothing and report no queue."""
+    return (routing or ChunkRouting()).rank(views(ids), documents)[0][0]
+
+
+def random_sets(n: int = 200, seed: int = 7) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [[document_digest(f"doc {rng.getrandbits(64)}") for _ in range(rng.randint(1, 5))] for _ in range(n)]
+
+
+def a_set_whose_home_is_not(replica: str, ids=REPLICAS) -> list[str]:
+    return next(s for s in random_sets() if home(ids, s) != replica)
+
+
+# --------------------------------------------------------------------------- digests and request bodies
+def test_a_digest_is_stable_and_ignores_how_the_text_is_wrapped():
+    text = "The river delta is described here."
+    assert document_digest(text) == hashlib.sha256(text.encode()).hexdigest()[:16]  # the same in every process
+    assert len(document_digest(text)) == 16
+    rewrapped = "  The river\ndelta   is\tdescribed\n\n here.  "
+    assert document_digest(rewrapped) == document_digest(text)
+    assert document_digest("The river delta is described there.") != document_digest(text)
+    assert document_digest("Theriver delta is described here.") != document_digest(text)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/documents/warm"])
+def test_the_documents_of_a_routed_body_in_order(path):
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "documents": ["first  passage", {"title": "t", "text": "second passage"}, {"title": "no text"},
+                          {"text": 5}, 7, None, "third passage"]}
+    assert request_documents(path, json.dumps(body).encode()) == [
+        document_digest("first passage"), document_digest("second passage"), document_digest("third passage")]
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/v1/chat/completions/", "/v1/documents"])
+def test_other_paths_route_by_nothing(path):
+    assert request_documents(path, json.dumps({"documents": ["a passage"]}).encode()) == []
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"not json", b"\xff\xfe\x00garbage", b"null", b"[1, 2]", b'"documents"',
+                                  b"3", b'{"documents": "a passage"}', b'{"documents": {"text": "a"}}',
+                                  b'{"documents": null}', b'{"messages": []}', b'{"documents": []}'])
+def test_a_body_without_a_list_of_documents_routes_by_nothing(body):
+    assert request_documents("/v1/chat/completions", body) == []
+
+
+# --------------------------------------------------------------------------- rendezvous homes
+def test_a_set_has_one_home_whatever_the_order_of_replicas_and_documents():
+    routing = ChunkRouting()
+    rng = random.Random(3)
+    for documents in random_sets(50):
+        first = home(REPLICAS, documents, routing)
+        for _ in range(3):
+            ids, docs = REPLICAS[:], documents[:]
+            rng.shuffle(ids)
+            rng.shuffle(docs)
+            assert home(ids, docs, routing) == first
+        assert home(REPLICAS, documents + documents[:1], routing) == first  # a repeated document: the same set
+
+
+def test_rendezvous_weights_are_deterministic_and_differ_by_replica():
+    assert rendezvous_weight("r1", "k") == rendezvous_weight("r1", "k")
+    assert rendezvous_weight("r1", "k") != rendezvous_weight("r2", "k")
+    assert rendezvous_weight("r1", "k") == int.from_bytes(hashlib.blake2b(b"r1\0k", digest_size=8).digest(), "big")
+
+
+def test_each_replica_gets_a_fair_share_of_the_sets():
+    sets = random_sets()
+    homes = [home(REPLICAS, s) for s in sets]
+    for replica in REPLICAS:
+        assert 0.20 <= homes.count(replica) / len(sets) <= 0.47, {r: homes.count(r) for r in REPLICAS}
+
+
+def test_a_new_replica_takes_only_the_sets_it_now_wins():
+    sets = random_sets()
+    before = [home(REPLICAS, s) for s in sets]
+    after = [home([*REPLICAS, "replica-d"], s) for s in sets]
+    moved = [(b, a) for b, a in zip(before, after) if b != a]
+    assert all(a == "replica-d" for _, a in moved), "a set moved between the old replicas"
+    assert 0.12 <= len(moved) / len(sets) <= 0.40, len(moved)
+
+
+def test_a_lost_replica_hands_over_only_its_own_sets():
+    sets = random_sets()
+    before = [home(REPLICAS, s) for s in sets]
+    after = [home(["replica-a", "replica-c"], s) for s in sets]
+    for b, a in zip(before, after):
+        assert a == b if b != "replica-b" else a in ("replica-a", "replica-c")
+    assert "replica-b" in before  # the test means something
+
+
+# --------------------------------------------------------------------------- held documents, placements
+def test_held_documents_beat_rendezvous():
+    documents = [document_digest(f"held {i}") for i in range(3)]
+    rendezvous_last = ChunkRouting().rank(views(REPLICAS), documents)[1][-1]
+    for holder in REPLICAS:  # whichever replica holds 2 of the 3 documents wins, even rendezvous' last
+        replicas = [ReplicaView(id=r, held=frozenset(documents[:2]) if r == holder else frozenset())
+                    for r in REPLICAS]
+        assert ChunkRouting().rank(replicas, documents)[0] == [holder]
+    # 2 of 3 beat 1 of 3
+    other = next(r for r in REPLICAS if r != rendezvous_last)
+    replicas = [ReplicaView(id=rendezvous_last, held=frozenset(documents[1:])),
+                ReplicaView(id=other, held=frozenset(documents[:1])),
+                *[ReplicaView(id=r) for r in REPLICAS if r not in (rendezvous_last, other)]]
+    ranks = ChunkRouting().rank(replicas, documents)
+    assert ranks[0] == [rendezvous_last] and ranks[1][0] == other
+
+
+def test_held_documents_outside_the_request_do_not_count():
+    documents = [document_digest("asked")]
+    target = next(r for r in REPLICAS if r != home(REPLICAS, documents))
+    replicas = [ReplicaView(id=r, held=frozenset({document_digest(f"other {i}") for i in range(9)})
+                            if r == target else frozenset()) for r in REPLICAS]
+    assert ChunkRouting().rank(replicas, documents)[0] == [home(REPLICAS, documents)]
+
+
+def test_placements_count_as_held_until_the_replica_is_forgotten():
+    routing = ChunkRouting()
+    documents = a_set_whose_home_is_not("replica-b")
+    routing.placed(documents, "replica-b")
+    assert routing.rank(views(REPLICAS), documents)[0] == ["replica-b"]
+    assert routing.rank(views(REPLICAS), documents[:1])[0] == ["replica-b"]  # a part of the set too
+    routing.placed(documents[:1], "replica-c")  # placed again elsewhere: the latest placement counts
+    if len(documents) > 2:
+        assert routing.rank(views(REPLICAS), documents)[0] == ["replica-b"]
+    assert routing.rank(views(REPLICAS), documents[:1])[0] == ["replica-c"]
+    routing.forget("replica-b")
+    routing.forget("replica-c")
+    assert routing.rank(views(REPLICAS), documents)[0] == [home(REPLICAS, documents)]
+
+
+def test_forget_drops_only_the_lost_replicas_placements():
+    routing = ChunkRouting()
+    to_b = a_set_whose_home_is_not("replica-b")
+    to_c = next(s for s in random_sets(seed=11) if home(REPLICAS, s) != "replica-c")
+    routing.placed(to_b, "replica-b")
+    routing.placed(to_c, "replica-c")
+    routing.forget("replica-b")
+    assert routing.rank(views(REPLICAS), to_b)[0] == [home(REPLICAS, to_b)]
+    assert routing.rank(views(REPLICAS), to_c)[0] == ["replica-c"]
+
+
+def test_remembered_placements_are_bounded_oldest_first():
+    routing = ChunkRouting(remembered=2)
+    singles = [[d] for s in random_sets(60) for d in s if home(REPLICAS, [d]) != "replica-b"][:3]
+    for documents in singles:
+        routing.placed(documents, "replica-b")
+    assert routing.rank(views(REPLICAS), singles[0])[0] == [home(REPLICAS, singles[0])]  # the oldest, dropped
+    assert all(routing.rank(views(REPLICAS), s)[0] == ["replica-b"] for s in singles[1:])
+    nothing = ChunkRouting(remembered=0)
+    nothing.placed(singles[0], "replica-b")
+    assert nothing.rank(views(REPLICAS), singles[0])[0] == [home(REPLICAS, singles[0])]
+
+
+# --------------------------------------------------------------------------- load spill, ranks
+def test_a_long_queue_spills_to_the_least_loaded_replica():
+    documents = random_sets(1)[0]
+    preferred = home(REPLICAS, documents)
+    others = [r for r in REPLICAS if r != preferred]
+    routing = ChunkRouting(spill_threshold=3)
+    spilled = [ReplicaView(preferred, queue=5), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
+    ranks = routing.rank(spilled, documents)
+    assert ranks[0] == [others[1]]
+    assert ranks[1][0] == preferred  # the home is still the next choice
+    stays = [ReplicaView(preferred, queue=4), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
+    assert routing.rank(stays, documents)[0] == [preferred]  # 2 ahead < 3
+
+
+def test_a_spill_picks_the_best_ranked_of_equally_short_queues():
+    documents = random_sets(1)[0]
+    order = [ChunkRouting().rank(views(REPLICAS), documents)[0][0], *ChunkRouting().rank(views(REPLICAS),
+                                                                                          documents)[1]]
+    replicas = [ReplicaView(order[0], queue=9), ReplicaView(order[1], queue=0), ReplicaView(order[2], queue=0)]
+    assert ChunkRouting().rank(replicas, documents)[0] == [order[1]]
+
+
+def test_an_unknown_queue_never_spills():
+    documents = random_sets(1)[0]
+    preferred = home(REPLICAS, documents)
+    replicas = [ReplicaView(r, queue=None if r == preferred else 0) for r in REPLICAS]
+    assert ChunkRouting(spill_threshold=1).rank(replicas, documents)[0] == [preferred]
+    alone_known = [ReplicaView(r, queue=50 if r == preferred else None) for r in REPLICAS]
+    assert ChunkRouting(spill_threshold=1).rank(alone_known, documents)[0] == [preferred]
+
+
+def test_no_documents_or_no_replicas_leave_the_choice_to_ray():
+    assert ChunkRouting().rank(views(REPLICAS), []) == []
+    assert ChunkRouting().rank([], ["abc"]) == []
+
+
+@pytest.mark.parametrize("ids", [REPLICAS, ["only"], [f"r{i}" for i in range(7)]])
+def test_the_second_rank_holds_every_other_replica_once(ids):
+    for documents in random_sets(20):
+        first, rest = ChunkRouting().rank(views(ids), documents)
+        assert len(first) == 1 and first[0] not in rest
+        assert sorted(first + rest) == sorted(ids)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "3", None])
+def test_a_bad_spill_threshold_is_refused(bad):
+    with pytest.raises(ValueError, match="spill_threshold"):
+        ChunkRouting(spill_threshold=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, False, 2.0, "10", None])
+def test_a_bad_remembered_is_refused(bad):
+    with pytest.raises(ValueError, match="remembered"):
+        ChunkRouting(remembered=bad)
+
+
+@pytest.mark.parametrize("stats, held", [
+    (None, set()), ("documents", set()), (["a"], set()), (3, set()), ({}, set()), ({"documents": None}, set()),
+    ({"documents": "abc"}, set()), ({"documents": {"a": 1}}, set()), ({"documents": ("a",)}, set()),
+    ({"documents": ["a", 1, None, ["b"], {"c": 1}, "d", "a"]}, {"a", "d"}),
+    ({"replica": "r1", "documents": ["x"]}, {"x"}),
+])
+def test_held_documents_tolerate_garbage_stats(stats, held):
+    assert held_documents(stats) == frozenset(held)
