@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--kv-budget", default=None, metavar="SIZE",
                        help="KV memory the running requests may hold together, e.g. 4GB (default: sized from the "
                        "free memory)")
+    # The memory tier's size decides how much of a corpus each replica answers without a store read, so a
+    # benchmark of the replicas' routing (benchmarks/bench_replicas.py) has to set it below the corpus.
+    serve.add_argument("--resident-bytes", default=None, metavar="SIZE",
+                       help="host-memory tier of chunk K/V in front of the store, e.g. 1GB; 0 turns it off "
+                       "(default: 1 GiB on a CPU, at most a sixteenth of its memory; 2 GiB on a GPU)")
     serve.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the loader's choice)")
     serve.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda if available)")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
@@ -149,8 +154,13 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         settings["require_store_key"] = True
     if args.document_special_tokens is not None:
         settings["document_special_tokens"] = args.document_special_tokens
+    if args.resident_bytes is not None:
+        from cacheblend_rag.store.factory import parse_size
+
+        parse_size(args.resident_bytes)  # a misspelt size fails now (ConfigError), not after the model loaded
     for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),
-                        ("max_queued_requests", args.max_queued_requests), ("chunk_sharing", args.chunk_sharing)):
+                        ("max_queued_requests", args.max_queued_requests), ("chunk_sharing", args.chunk_sharing),
+                        ("resident_bytes", args.resident_bytes)):
         if value is not None:
             settings[name] = value
     http: dict[str, Any] = {}
