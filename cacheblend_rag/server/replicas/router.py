@@ -37,12 +37,10 @@ class ChunkAffinityRouter(FIFOMixin, RequestRouter):
         ranks = self._policy().rank(views, documents)
         if not ranks:  # no documents: two random replicas, the shorter queue first (Ray's default)
             return _two_choices(candidate_replicas)
+        # Remembered as placed on the first choice now: Ray calls on_request_routed only where replicas may
+        # refuse requests (strict max_ongoing_requests), and the first rank takes it unless it is full.
+        self._policy().placed(documents, ranks[0][0])
         return [[by_id[rid] for rid in rank] for rank in ranks if rank]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        documents = _documents_of(pending_request)
-        if documents:
-            self._policy().placed(documents, replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
