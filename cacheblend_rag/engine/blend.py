@@ -307,6 +307,7 @@ class CacheBlendEngine:
         stats.load_failures = source.load_failures
         stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses
         stats.memory_hits = source.memory_hits  # of those hits, the ones the host-memory tier answered
+        stats.store_error = source.store_error  # this request's failed store read, if one failed
         stats.loaded_tokens = stats.cached_tokens - source.computed_tokens
         return result
 

@@ -20,6 +20,8 @@ class CachedKVSource(ABC):
 
     wait_seconds: float = 0.0  # time the engine spent blocked on this source
     recompute_seconds: float = 0.0  # time spent computing chunks whose stored copy failed mid-read
+    # this request's failed read of the store (manifests or layers), redacted; None: none failed
+    store_error: str | None = None
 
     @property
     def load_failures(self) -> int:
@@ -59,8 +61,9 @@ class InMemoryKVSource(CachedKVSource):
     """Chunks at hand: passed in (``computed=False``) or just computed for this request."""
 
     def __init__(self, chunks: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype, *,
-                 computed: bool = False) -> None:
+                 computed: bool = False, store_error: str | None = None) -> None:
         self.chunks = list(chunks)
+        self.store_error = store_error  # computed because the store could not be read
         self.device = device
         self.dtype = dtype
         self.computed = computed
@@ -127,6 +130,10 @@ class InterleavedKVSource(CachedKVSource):
     @property
     def memory_hits(self) -> int:
         return sum(p.memory_hits for p, _ in self.parts)
+
+    @property
+    def store_error(self) -> str | None:  # type: ignore[override]
+        return next((p.store_error for p, _ in self.parts if p.store_error), None)
 
     def lossless(self) -> list[bool]:
         flags = [source.lossless() for source, _ in self.parts]

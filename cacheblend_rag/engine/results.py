@@ -34,6 +34,10 @@ class BlendStats:
     memory_hits: int = 0
     cache_misses: int = 0  # chunks with no valid entry, computed for this request
     load_failures: int = 0  # chunks with an entry that could not be read whole, computed instead
+    # why this request's chunks were computed when its read of the chunk store failed (the store's error,
+    # passwords masked: "Redis at redis://host:6379/0 is unavailable (...); its chunks were computed fresh");
+    # None when every read it made succeeded (or it read none)
+    store_error: str | None = None
     loaded_tokens: int = 0  # cached tokens whose KV came from the store (or was passed in), not computed here
     timings: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None

@@ -244,7 +244,8 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         fingerprint = engine.fingerprint  # once per request: it checks the weights
         keys = [self.key_for(s.token_ids, s.prefix_ids, fingerprint=fingerprint) for s in segments]
         resident = [self.resident.get(key) if self.resident is not None else None for key in keys]
-        unread = iter(self._fetch_manifests([key for key, held in zip(keys, resident) if held is None]))
+        failed: list[str] = []  # this request's failed manifest reads: its source carries them (store_error)
+        unread = iter(self._fetch_manifests([key for key, held in zip(keys, resident) if held is None], failed))
         plans: list[PlannedChunk | None] = []
         missing: list[int] = []
         for i, (segment, key, held) in enumerate(zip(segments, keys, resident)):
@@ -265,7 +266,8 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         planned = [p for p in plans if p is not None]
         if all(p.fresh is not None for p in planned):
             self._submit(self._record, misses=misses)
-            return InMemoryKVSource(fresh, engine.device, engine.dtype, computed=True), hits, misses
+            return InMemoryKVSource(fresh, engine.device, engine.dtype, computed=True,
+                                    store_error=next(iter(failed), None)), hits, misses
         if first_layer is None:
             first_layer = 0  # the engine passes the layer it reads first; without it, start at the beginning
 
@@ -277,7 +279,7 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
 
         source = PipelinedKVSource(
             self.store, engine, planned, self.rules, prefetch=self.prefetch, keep_layers=self.resident is not None,
-            first_layer=first_layer,
+            first_layer=first_layer, store_error=next(iter(failed), None),
             on_damaged=self._on_damaged, on_done=count,
         )
         return source, hits, misses

@@ -20,7 +20,7 @@ from cacheblend_rag.engine.segments import ChunkKV
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import Codec, float_codec
 from cacheblend_rag.store.entries import EntryRules
-from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError, read_failure
 from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, encode_layer, encode_manifest, value_digest
 from cacheblend_rag.store.keys import chunk_key
 
@@ -67,7 +67,10 @@ class ChunkStoreIO:
             return False
 
     # ---------------------------------------------------------------- reads
-    def _fetch_manifests(self, keys: Sequence[str]) -> list[bytes | CorruptEntryError | None]:
+    def _fetch_manifests(self, keys: Sequence[str],
+                         errors: list[str] | None = None) -> list[bytes | CorruptEntryError | None]:
+        """The manifests under ``keys`` (``None``: absent, or the store failed: then what failed is added to
+        ``errors``, the request's own list, for its ``store_error``)."""
         if not keys:
             return []
         try:
@@ -76,6 +79,8 @@ class ChunkStoreIO:
             pass  # one value the backend refused to load (say, a pickle); find out which
         except (StoreError, OSError) as exc:
             self._warn("read", exc)
+            if errors is not None:
+                errors.append(read_failure(exc, self.store))
             return [None] * len(keys)
         out: list[bytes | CorruptEntryError | None] = []
         for key in keys:
@@ -85,6 +90,8 @@ class ChunkStoreIO:
                 out.append(exc)
             except (StoreError, OSError) as exc:
                 self._warn("read", exc)
+                if errors is not None:
+                    errors.append(read_failure(exc, self.store))
                 out.append(None)
         return out
 

@@ -33,7 +33,7 @@ from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import PackedLayer, codec_for_name, staged
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError
-from cacheblend_rag.store.errors import CorruptEntryError, StoreError
+from cacheblend_rag.store.errors import CorruptEntryError, StoreError, read_failure
 from cacheblend_rag.store.format import Manifest
 from cacheblend_rag.store.resident import ResidentChunk
 
@@ -108,8 +108,10 @@ class PipelinedKVSource(CachedKVSource):
         on_damaged: DamageHandler | None = None,
         on_done: DoneHandler | None = None,
         keep_layers: bool = False,
+        store_error: str | None = None,
     ) -> None:
         self.store = store
+        self.store_error = store_error  # open_source's failed manifest read; a failed layer read sets it too
         self.engine = engine
         self.rules = rules
         self.chunks = list(chunks)
@@ -262,6 +264,7 @@ class PipelinedKVSource(CachedKVSource):
             # One warning for the whole read, not one per chunk (none if the store warned already).
             log = logger.info if getattr(exc, "warned", False) else logger.warning
             log("KV store failed to read layer %d (%s); recomputing %d stored chunks", index, exc, len(stored))
+            self.store_error = self.store_error or read_failure(exc, self.store)  # this request's own source
             self._recompute_all(stored)
             return [None] * len(stored)
         out: list[bytes | CorruptEntryError | None] = []
@@ -273,6 +276,7 @@ class PipelinedKVSource(CachedKVSource):
                 out.append(exc)
             except (StoreError, OSError) as exc:
                 failed.append((chunk, str(exc)))
+                self.store_error = self.store_error or read_failure(exc, self.store)
                 out.append(None)
         if failed:
             self._recompute(failed, index, damaged=False)

@@ -276,4 +276,5 @@ def test_a_store_outage_is_answered_not_a_500(tiny_settings, unique_documents):
             assert response.status_code == 200, response.text
             stats = response.json()["cacheblend"]
             assert stats["cache_hits"] == 0 and stats["cache_misses"] == 3  # nothing read back: computed afresh
+            assert stats["store_error"].startswith("connection refused (the store is down)")  # and it says why
         assert "cacheblend_store_available 0.0" in httpx.get(f"{server.url}/metrics").text

@@ -59,6 +59,7 @@ def test_a_store_failing_mid_blend_counts_load_failures_not_hits(engine, tmp_pat
     stats = result.stats
     assert (stats.cache_hits, stats.cache_misses, stats.load_failures) == (0, 0, 3)
     assert stats.loaded_tokens == 0 and stats.to_dict()["load_failures"] == 3
+    assert stats.store_error == "the store went away; its chunks were computed fresh"  # a layer read, this request's
     counters = cache.stats()
     assert (counters.hits, counters.misses, counters.load_failures, counters.corrupt) == (0, 0, 3, 0)
     monkeypatch.undo()
@@ -88,6 +89,7 @@ def test_a_miss_loads_nothing(engine):
     stored, _ = _prompts(engine)
     stats = engine.blend(stored, store=cache, config=CONFIG).stats
     assert (stats.cache_hits, stats.cache_misses, stats.load_failures, stats.loaded_tokens) == (0, 3, 0, 0)
+    assert stats.store_error is None  # a miss is not a failed read
     cache.flush()  # the missed chunks are written back on a writer thread; the second blend must find them all
     assert engine.blend(stored, store=cache, config=CONFIG).stats.loaded_tokens == stats.cached_tokens
 
