@@ -69,6 +69,7 @@ from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
 from cacheblend_rag.store.memory_budget import default_write_back_bytes
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
 from cacheblend_rag.store.store_key import STORE_KEY_ENV, require_store_key, store_key, warn_if_keyless
+from cacheblend_rag.store.urls import redact
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +195,11 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
         # Keyed by the kind of failure only: a server that went away fails reads and writes
         # alike, and that is one event for the user.
         if getattr(exc, "warned", False):  # the store warned when this began
-            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, exc)
+            logger.debug("KV store %s failed to %s (%s)", self.store.describe(), what, redact(exc))
             return
-        if self._due(type(exc).__name__):
+        if self._due(type(exc).__name__):  # redacted: a store's own message may quote its URL with a password
             logger.warning("KV store %s failed to %s (%s); answering by computing chunk KV fresh",
-                           self.store.describe(), what, exc)
+                           self.store.describe(), what, redact(exc))
 
     def _due(self, kind: str) -> bool:
         """Whether a warning of ``kind`` may be logged now: at most one a minute of each kind."""
