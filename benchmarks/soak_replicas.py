@@ -166,7 +166,8 @@ def run(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], list[dict
                     and serving + warmup_end <= traffic.now() < end - 2 * SETTLE_S:
                 lulls["replacement"] = lull(traffic, sampler, "replacement's warm-up end", args.deadline)
             time.sleep(0.25)
-        records = [{**r.to_dict(), **{k: r.stats.get(k) for k in ("replica", "chunk_tiers", "error_code")}}
+        records = [{**r.to_dict(), **{k: r.stats.get(k) for k in ("replica", "chunk_tiers", "error_code",
+                                                                      "store_error")}}
                    for r in traffic.stop(grace_s=args.deadline)]
         faults.join(REPLACE_TIMEOUT_S + 30)
         lulls["end"] = lull(traffic, sampler, "end", args.deadline)
@@ -194,11 +195,12 @@ def run(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], list[dict
         inside = [r for r in records if row["start_s"] <= r["submitted"] < row["ends_s"]]
         answered = [r for r in inside if r["outcome"] == "answer"]
         row.update(replica_failed=sum(r["error_code"] == "replica_failed" for r in inside),
+                   store_errors=sum(bool(r["store_error"]) for r in answered),  # answered, chunks computed instead
                    replicas=dict(Counter(r["replica"] for r in answered)), chunk_tiers=tiers(answered))
     answered = [r for r in records if r["outcome"] == "answer"]
     ttfts = [r["ttft"] for r in records if r["ttft"] is not None and r["outcome"] in ("answer", "cancelled")]
     totals = {k: sum(r[k] for r in rows) for k in ("requests", "answers", "cancelled_on_purpose", "errors",
-                                                    "clear_errors", "hangs", "replica_failed")}
+                                                    "clear_errors", "hangs", "replica_failed", "store_errors")}
     totals.update(ttft_p50_s=soak_report.percentile(ttfts, 50), ttft_p99_s=soak_report.percentile(ttfts, 99))
     report: dict[str, Any] = {
         "benchmark": "soak_replicas",
