@@ -12,7 +12,8 @@ sequence is drawn once, so both routers see the identical one.
 Each replica's memory tier (``--resident-bytes``) is sized from the model's K/V bytes per token (in the dtype
 the server loads it in) to hold ``--tier-share`` of the corpus's chunks: one replica holds clearly less than the
 corpus, two together most of it. For each router in turn the Redis store is flushed (both start cold), the
-command started, ``--warmup`` requests sent (not counted), then ``--requests`` from ``--clients`` client
+command started, every set warmed into the store through the app (``/v1/documents/warm``, routed like a request;
+``--no-warm-store`` skips it), ``--warmup`` requests sent (not counted), then ``--requests`` from ``--clients`` client
 threads, bounded by ``--max-minutes``, and the command stopped by SIGTERM to its pid. Beside the measurement,
 ``lru_model`` replays the same sequence one request at a time through LRU tiers of the same size: the chunk
 policy (no queues, so no spill) against a random replica, which is what this workload allows a router at best.
@@ -81,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tier-share", type=float, default=0.25, help="corpus share one replica's memory tier holds")
     p.add_argument("--resident-bytes", type=int, default=None, help="the tier's bytes outright (not --tier-share)")
     p.add_argument("--clients", type=int, default=8, help="closed-loop client threads")
+    p.add_argument("--no-warm-store", dest="warm_store", action="store_false",
+                   help="skip putting every set in the store through the app before the timed requests")
     p.add_argument("--warmup", type=int, default=24, help="requests sent first and not counted")
     p.add_argument("--requests", type=int, default=300, help="measured requests per router")
     p.add_argument("--max-minutes", type=float, default=4.0, help="bound on each router's traffic (warm-up too)")
@@ -239,6 +242,7 @@ def run_router(router: str, redis_url: str, resident_bytes: int, items: list[dic
     try:
         serve.wait_healthy(timeout=START_TIMEOUT_S)
         start_s = time.monotonic() - started
+        warm_row = warm_store(serve.url, items, args) if args.warm_store else None
         deadline = time.monotonic() + 60 * args.max_minutes
         with tqdm(total=len(items), desc=f"router={router}", file=sys.stderr, mininterval=2) as bar:
             warm, _ = closed_loop(serve.url, items[: args.warmup], args, deadline, bar)
@@ -254,8 +258,25 @@ def run_router(router: str, redis_url: str, resident_bytes: int, items: list[dic
     row = summarize([r for r in measured if r is not None], wall, warm)
     row.update(unsent=sum(r is None for r in measured), warmup_errors=sum(1 for r in warm if r and "error" in r),
                start_s=round(start_s, 1), stop_s=round(stop_s, 1), exit_code=exit_code, processes_left=len(left),
+               warm_store=warm_row,
                serve_args=[redact(a) for a in command])
     return row
+
+
+def warm_store(url: str, items: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Every set's documents put in the store through the app (``/v1/documents/warm``, routed as the router under
+    test routes them), from ``--clients`` threads, before any request is timed: the run then measures where the
+    chunks come from (a replica's memory or the shared store) and what that costs, not the corpus computed cold,
+    which at ~1 request per 5 s on two 1-thread replicas would take the whole time bound."""
+    sets = {item["set"]: item["body"]["documents"] for item in items}
+    began = time.monotonic()
+    with httpx.Client(timeout=args.request_timeout) as client, ThreadPoolExecutor(args.clients) as pool:
+        answers = list(pool.map(lambda docs: client.post(url + "/v1/documents/warm", json={"documents": docs}),
+                                sets.values()))
+    bodies = [a.json() for a in answers if a.status_code == 200]
+    return {"sets": len(sets), "failed_requests": len(answers) - len(bodies), "seconds": round(time.monotonic()
+            - began, 1), "computed": sum(b.get("computed", 0) for b in bodies),
+            "by_replica": dict(Counter(b.get("replica") for b in bodies))}
 
 
 class _Serve(ServeProcess):
@@ -363,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                    "two_tiers_hold_share": round(min(1.0, 2 * resident / corpus_bytes), 3),
                    "requests_per_set": dict(sorted(Counter(i["set"] for i in items).items()))},
         "redis": "one redis-server (" + ("given by --redis-url" if args.redis_url else "the bench's own, on a free "
-                 "loopback port") + "), flushed before each router: both start cold; the routers run one after "
+                 "loopback port") + "), flushed before each router: both start cold, then each set is warmed through the app "
+                 "unless --no-warm-store; the routers run one after "
                  "the other, each in its own Ray application, on the identical request sequence",
         "lru_model": lru_model(items, chunk_bytes, resident, args.warmup, args.seed),
     }

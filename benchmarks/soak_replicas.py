@@ -10,8 +10,9 @@ x3 in the burst, no catching up when behind), over HTTP with ``documents``: 9 as
 to the end, 2 close theirs after the first text (cancelled on purpose), 3 ask over passages no one warmed (computed,
 then written to Redis). The passages are soak_env's MuSiQue corpus (``../shared/data/musique_dev.json``), each
 question's put in Redis through ``/v1/documents/warm`` before the clock (once the front end routes to both replicas).
-Each replica's memory tier is bounded as soak_env bounds the in-process one (``--resident-bytes 16MB``), so that it
-fills in the warm-up and Redis's faults reach requests. The in-process soak's multi-turn chats and control stream are
+Each replica's caches are bounded as soak_env bounds the in-process soak's (``--resident-bytes 16MB``,
+``--prefix-cache-bytes 24MB``, ``--segment-cache-bytes 8MB``), so that they fill in the warm-up (RSS is then flat
+unless something leaks) and Redis's faults reach requests. The in-process soak's multi-turn chats and control stream are
 not sent: its chats carry their passages in the prompt's text, not as documents, and the control needs a full-prefill
 twin of the engine, which the app does not have.
 
@@ -28,10 +29,7 @@ is a ``replica_failed`` on a request in flight at the kill or routed to the dead
 replica's RSS growth under 5% (the in-process soak's bound) idle to idle, read in lulls (arrivals paused until nothing
 runs, outside faults) at the warm-up's end, after the replacement's own warm-up (as long as the run's, and as many
 answers as the fewest an original gave in it; not reached before the end, it is left out with a note) and at the end;
-the killed replica replaced. Both replicas share the machine's cores (one torch thread each on 2 cores). With the tiny
-model the RSS reading says little: the survivor grew steadily, +3% in a one-minute run (~60 requests), as its prefix
-cache (256 MB, no serve flag bounds it) would at ~0.3 MB a request, where SmolLM2's (~14 MB a request) fills in the
-warm-up.
+the killed replica replaced. Both replicas share the machine's cores (one torch thread each on 2 cores).
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ import httpx
 import psutil
 
 import soak_report
-from soak_env import DEFAULT_DATA, REPO, RESIDENT_BYTES, load_corpus
+from soak_env import DEFAULT_DATA, PREFIX_CACHE_BYTES, REPO, RESIDENT_BYTES, SEGMENT_CACHE_BYTES, load_corpus
 from soak_faults import Phase, schedule
 from soak_replicas_report import classify, invariants, plot, replacements, replica_ids, replica_rss, tiers
 from soak_replicas_traffic import (HTTP_CLIENTS, REPLACE_TIMEOUT_S, SETTLE_S, EngineSampler, HttpTraffic,
@@ -96,15 +94,6 @@ def tokenizer_for(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(folder) if folder is not None else model)
 
 
-def serve_has(flag: str) -> bool:
-    """Whether ``cacheblend-rag serve`` takes ``flag`` (``--resident-bytes`` came after ``--ray``)."""
-    from cacheblend_rag.server import commands
-
-    subparsers = argparse.ArgumentParser().add_subparsers()
-    commands.register(subparsers)
-    return flag in subparsers.choices["serve"]._option_string_actions
-
-
 def both_replicas_routed(url: str, timeout: float = 60.0) -> dict[str, Any]:
     """``GET /health`` (no documents: Ray's two random choices) until both replicas answered: the front end's router
     knows both. Right after the URL line its first requests may reach one only, and the router keeps a document
@@ -129,9 +118,12 @@ def run(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], list[dict
     corpus = load_corpus(args.data, tokenizer_for(args.model), questions=args.questions, passages=args.passages,
                          passage_tokens=args.passage_tokens)
     redis = RedisServer(root / "redis").start()
-    resident = RESIDENT_BYTES if serve_has("--resident-bytes") else None
+    # Every cache of a replica bounded as soak_env bounds the in-process soak's, so all are full in the warm-up.
+    caches = {"resident_bytes": RESIDENT_BYTES, "prefix_cache_bytes": PREFIX_CACHE_BYTES,
+              "segment_cache_bytes": SEGMENT_CACHE_BYTES}
     command = ["--ray", "--replicas", "2", "--store", redis.url(), "--model", args.model, "--port", "0",
-               "--graceful-shutdown", "10", *(["--resident-bytes", resident] if resident else [])]
+               "--graceful-shutdown", "10",
+               *(part for name, size in caches.items() for part in ("--" + name.replace("_", "-"), size))]
     serve = None
     try:
         began = time.monotonic()
@@ -214,7 +206,7 @@ def run(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], list[dict
         "serve": {"args": [redact(a) for a in command], "start_s": start_s, "exit_code": exit_code, "stop_s": stop_s,
                   "processes_left": len(left), "front_end_saw_both_replicas": front,
                   "warmed_groups_by_replica": dict(placed),
-                  "resident_bytes": resident or "serve's default (this serve has no --resident-bytes)"},
+                  **caches},
         "faults_left_out": LEFT_OUT, "schedule": phase_dicts, "warmup_end_s": warmup_end, "replica_kill": kill,
         "phases": rows, "totals": totals, "healthy_ttft_p99_s": healthy_p99,
         "replicas_seen": dict(Counter(r["replica"] for r in answered)), "chunk_tiers": tiers(answered),

@@ -64,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--resident-bytes", default=None, metavar="SIZE",
                        help="host-memory tier of chunk K/V in front of the store, e.g. 1GB; 0 turns it off "
                        "(default: 1 GiB on a CPU, at most a sixteenth of its memory; 2 GiB on a GPU)")
+    # The prompt caches grow until full: a soak reading RSS idle to idle (benchmarks/soak_replicas.py) fills them
+    # in its warm-up, as the in-process soak does, which needs them bounded below their defaults.
+    serve.add_argument("--prefix-cache-bytes", default=None, metavar="SIZE",
+                       help="host memory of the prompt-prefix K/V cache, e.g. 256MB; 0 turns it off (default: 256MB)")
+    serve.add_argument("--segment-cache-bytes", default=None, metavar="SIZE",
+                       help="host memory of the segment cache of prompt spans, e.g. 32MB; 0 turns it off (default: 64MB)")
     serve.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the loader's choice)")
     serve.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda if available)")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
@@ -154,13 +160,16 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         settings["require_store_key"] = True
     if args.document_special_tokens is not None:
         settings["document_special_tokens"] = args.document_special_tokens
-    if args.resident_bytes is not None:
-        from cacheblend_rag.store.factory import parse_size
+    sizes = {"resident_bytes": args.resident_bytes, "prefix_cache_bytes": args.prefix_cache_bytes,
+             "segment_cache_bytes": args.segment_cache_bytes}
+    from cacheblend_rag.store.factory import parse_size
 
-        parse_size(args.resident_bytes)  # a misspelt size fails now (ConfigError), not after the model loaded
+    for size in sizes.values():
+        if size is not None:
+            parse_size(size)  # a misspelt size fails now (ConfigError), not after the model loaded
     for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),
                         ("max_queued_requests", args.max_queued_requests), ("chunk_sharing", args.chunk_sharing),
-                        ("resident_bytes", args.resident_bytes)):
+                        *sizes.items()):
         if value is not None:
             settings[name] = value
     http: dict[str, Any] = {}

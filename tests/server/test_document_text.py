@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import pytest
 
 from cacheblend_rag.prompting import prompt_ids
 from cacheblend_rag.serving import ChatTurn, render_turn
@@ -49,3 +50,18 @@ def test_serve_and_warm_take_the_trusted_setting():
     trusted = _config(parser.parse_args(["serve", "--document-special-tokens", "control"]))
     assert trusted.settings["document_special_tokens"] == "control"
     assert parser.parse_args(["warm", "--store", "memory", "chunks.txt"]).document_special_tokens == "text"
+
+
+def test_the_cache_size_flags_reach_the_settings_and_a_misspelt_one_fails_before_loading():
+    from cacheblend_rag.cli import build_parser
+    from cacheblend_rag.errors import ConfigError
+    from cacheblend_rag.server.commands import _config
+
+    parser = build_parser()
+    settings = _config(parser.parse_args(["serve", "--resident-bytes", "16MB", "--prefix-cache-bytes", "24MB",
+                                          "--segment-cache-bytes", "0"])).settings
+    assert (settings["resident_bytes"], settings["prefix_cache_bytes"], settings["segment_cache_bytes"]) == \
+        ("16MB", "24MB", "0")
+    assert "prefix_cache_bytes" not in _config(parser.parse_args(["serve"])).settings  # the settings' default
+    with pytest.raises(ConfigError, match="not understood"):
+        _config(parser.parse_args(["serve", "--segment-cache-bytes", "64 megs"]))

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -29,6 +30,8 @@ MAX_ONGOING_REQUESTS = 32
 # How often each replica tells the routers what its memory tier holds.
 ROUTING_STATS_PERIOD_S = 2.0
 SHARED_SCHEMES = ("redis://", "rediss://")
+# Seconds the command waits, once Ray says the application runs, for its router to reach every replica.
+ROUTED_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,26 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def _wait_routed(url: str, replicas: int, *, api_key: Optional[str], timeout: float = ROUTED_TIMEOUT_S) -> int:
+    """Poll ``/health`` until the front end's router has sent it to ``replicas`` distinct replicas (Ray reports the
+    application running a moment before every router knows every replica; a document set first seen then would
+    make its home on the one replica known, and keep it); the replicas seen (fewer on a timeout: served anyway)."""
+    import httpx
+
+    seen: set[str] = set()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < replicas and time.monotonic() < deadline:
+        try:
+            replica = httpx.get(f"{url}/health", headers=headers, timeout=10).headers.get("x-cacheblend-replica")
+        except httpx.HTTPError:
+            replica = None
+        if replica:
+            seen.add(replica)
+        time.sleep(0.05)
+    return len(seen)
+
+
 def run(config: ServerConfig, options: ReplicaOptions, *, host: str = "127.0.0.1", port: int = 8000,
         verbose: bool = False) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, 1 if the application could not start."""
@@ -180,9 +203,11 @@ def run(config: ServerConfig, options: ReplicaOptions, *, host: str = "127.0.0.1
             print(f"cacheblend-rag serve --ray: the replicas could not start: {type(exc).__name__}: {redact(exc)}",
                   file=sys.stderr)
             return 1
+        seen = _wait_routed(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}", options.replicas,
+                            api_key=config.api_key)
         print(f"serving {config.name} on http://{host}:{port}", flush=True)
-        print(f"{options.replicas} replicas on {'a local Ray' if local else options.ray_address}, "
-              f"router: {options.router}", file=sys.stderr, flush=True)
+        print(f"{options.replicas} replicas on {'a local Ray' if local else options.ray_address} "
+              f"({seen} answering through the router so far), router: {options.router}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
         serve.delete(APP_NAME)  # drains each replica's running requests (graceful_shutdown_s at most)
