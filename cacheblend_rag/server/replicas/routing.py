@@ -7,9 +7,9 @@ request's documents it holds in its memory tier: what the replica last reported 
 every few seconds) and where this router itself sent those documents since. The replica holding most
 wins; among equals (a document set seen nowhere yet), rendezvous hashing of the whole set picks one, so
 a set has one home, a new replica takes over only the sets it now wins and a lost one hands over only
-its own. A preferred replica whose queue is ``spill_threshold`` or more requests longer than the
-shortest is passed over for the least loaded one, so a hot document set cannot pin a replica while the
-others idle; a request without documents is left to Ray's default choice (power of two choices).
+its own. A preferred replica whose queue reaches ``spill_threshold`` plus twice the shortest queue is
+passed over for the least loaded one, so a hot document set cannot pin a replica while the others idle;
+a spill sends that one request elsewhere and leaves the set's home where it was. A request without documents is left to Ray's default choice (power of two choices).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-# Requests a preferred replica's queue may be ahead of the shortest one before a request spills over.
+# A preferred replica's queue spills a request over once it reaches this plus twice the shortest queue.
 DEFAULT_SPILL_THRESHOLD = 3
 # Documents whose placement a router remembers (each a 16-character digest and a replica id).
 DEFAULT_REMEMBERED = 65536
@@ -82,18 +82,27 @@ class ChunkRouting:
         ``[]`` when there are no documents or no replicas (Ray's default choice then)."""
         if not documents or not replicas:
             return []
+        order = self._by_holding(replicas, documents)
+        first = order[0]
+        queues = [r.queue for r in replicas if r.queue is not None]
+        # "Well above": the threshold over twice the shortest queue, so that under load (8 clients on 2
+        # replicas keep ~4 queued each) a set stays home through the usual swings and moves only off a pile-up.
+        if first.queue is not None and queues and first.queue >= self.spill_threshold + 2 * min(queues):
+            first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
+        return [[first.id], [r.id for r in order if r.id != first.id]]
+
+    def home(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> Optional[str]:
+        """The replica the documents belong on, load aside (``rank``'s first choice without a spill)."""
+        return self._by_holding(replicas, documents)[0].id if documents and replicas else None
+
+    def _by_holding(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[ReplicaView]:
         wanted = set(documents)
         set_key = "\n".join(sorted(wanted))
 
         def held(replica: ReplicaView) -> int:
             return sum(1 for d in wanted if d in replica.held or self._placed.get(d) == replica.id)
 
-        order = sorted(replicas, key=lambda r: (-held(r), -rendezvous_weight(r.id, set_key)))
-        first = order[0]
-        queues = [r.queue for r in replicas if r.queue is not None]
-        if first.queue is not None and queues and first.queue - min(queues) >= self.spill_threshold:
-            first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
-        return [[first.id], [r.id for r in order if r.id != first.id]]
+        return sorted(replicas, key=lambda r: (-held(r), -rendezvous_weight(r.id, set_key)))
 
     def placed(self, documents: Sequence[str], replica_id: str) -> None:
         """Remember that ``documents`` went to ``replica_id`` (its memory tier will hold them)."""

@@ -180,12 +180,15 @@ def test_a_long_queue_spills_to_the_least_loaded_replica():
     preferred = home(REPLICAS, documents)
     others = [r for r in REPLICAS if r != preferred]
     routing = ChunkRouting(spill_threshold=3)
-    spilled = [ReplicaView(preferred, queue=5), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
+    spilled = [ReplicaView(preferred, queue=7), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
     ranks = routing.rank(spilled, documents)
-    assert ranks[0] == [others[1]]
+    assert ranks[0] == [others[1]]  # 7 >= 3 + 2 * 2
     assert ranks[1][0] == preferred  # the home is still the next choice
-    stays = [ReplicaView(preferred, queue=4), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
-    assert routing.rank(stays, documents)[0] == [preferred]  # 2 ahead < 3
+    assert routing.home(spilled, documents) == preferred  # and still its home
+    stays = [ReplicaView(preferred, queue=6), ReplicaView(others[0], queue=4), ReplicaView(others[1], queue=2)]
+    assert routing.rank(stays, documents)[0] == [preferred]  # 6 < 3 + 2 * 2: a swing under load, not a pile-up
+    idle = [ReplicaView(preferred, queue=3), ReplicaView(others[0], queue=0), ReplicaView(others[1], queue=1)]
+    assert routing.rank(idle, documents)[0] == [others[0]]  # 3 >= 3 + 0: the others idle
 
 
 def test_a_spill_picks_the_best_ranked_of_equally_short_queues():
