@@ -37,7 +37,18 @@ from cacheblend_rag.errors import (
 )
 from cacheblend_rag.models import load_model
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    # The installed distribution's metadata, so the version is written once (pyproject.toml); a source tree
+    # used without installing has none.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cacheblend-rag")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "BlendConfig", "BlendInputError", "BlendResult", "BlendStats", "CacheBlendEngine", "CacheBlendError",
