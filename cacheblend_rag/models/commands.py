@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheblend_rag.errors import CacheBlendError
 from cacheblend_rag.models import catalog
-from cacheblend_rag.models.loader import cache_root
+from cacheblend_rag.models.loader import cache_root, default_gguf_path
 
 
 def register(subparsers: Any) -> None:
@@ -39,6 +39,12 @@ def register(subparsers: Any) -> None:
 
 def run_list(args: argparse.Namespace) -> int:
     root = cache_root()
+    try:
+        embedded = f"installed: {default_gguf_path()}"
+    except CacheBlendError as exc:
+        embedded = f"not installed ({exc})"
+    print(f"{catalog.EMBEDDED_NAME}: SmolLM2-135M-Instruct (Apache-2.0), the embedded default, loaded when no "
+          f"model is given; {embedded}")
     for name, model in sorted(catalog.CATALOG.items()):
         path = catalog.fetched_path(model, root)
         state = f"fetched: {path}" if path.is_file() else f"not fetched ({model.fetch_hint})"

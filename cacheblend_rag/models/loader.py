@@ -225,7 +225,8 @@ def load_model(
             raise ModelLoadError(
                 f"could not load model {name_or_path!r}: it is not a local folder or .gguf file, and the "
                 f"hub could not be reached or has no such model ({exc.__class__.__name__}: {exc}). "
-                "Pass a local path, or leave the model unset for the embedded SmolLM2-135M-Instruct"
+                "Pass a local path, or leave the model unset for the embedded SmolLM2-135M-Instruct. "
+                + catalog.name_hint(str(name_or_path))
             ) from exc
         raise ModelLoadError(f"could not load model from {target}: {exc}") from exc
     model = place_on_device(model, dev)
@@ -246,7 +247,7 @@ def load_model(
 def _locate(name_or_path: str | os.PathLike[str] | None) -> tuple[Path | None, str, str, str | None]:
     """Where a model is read from: its local folder (``None`` for a hub id), its name, its source as the
     engine reports it, and the GGUF's digest when it came from one (converted once, here)."""
-    if name_or_path is None:
+    if name_or_path is None or catalog.is_embedded_name(name_or_path):
         folder, digest = converted_gguf_folder(default_gguf_path())
         return folder, DEFAULT_MODEL_NAME, str(folder), digest
     known = catalog.lookup(str(name_or_path))
@@ -314,6 +315,7 @@ def _hub_options(repo_id: str, timeout: float = 3.0, *, what: str = "model",
     if isinstance(cached, str):
         return {"local_files_only": True}
     where = f"not a local folder or .gguf file, and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    instead += ". " + catalog.name_hint(repo_id) if what == "model" else ""
     if constants.HF_HUB_OFFLINE:
         raise ModelLoadError(f"could not load {what} {repo_id!r}: it is {where}, and HF_HUB_OFFLINE is set. Pass a "
                              f"local path, or {instead}")

@@ -122,3 +122,20 @@ def test_cli_list_says_what_is_fetched(tmp_path, monkeypatch, capsys):
     assert cli_main(["model", "list"]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct" in out and "not fetched" in out
+
+
+def test_the_listing_names_the_embedded_default_first(capsys):
+    import argparse
+
+    from cacheblend_rag.models.commands import run_list
+
+    assert run_list(argparse.Namespace()) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{catalog.EMBEDDED_NAME}: SmolLM2-135M-Instruct") and "installed: " in lines[0]
+    assert any(line.startswith("qwen2.5-coder-1.5b: ") for line in lines[1:])
+
+
+def test_the_embedded_default_loads_by_its_name():
+    from cacheblend_rag.models import loader
+
+    assert loader._locate("SmolLM2-135M-Instruct")[:3] == loader._locate(None)[:3]

@@ -35,6 +35,20 @@ def test_unreachable_hub_id_says_so(monkeypatch):
         load_model("no-such-org/no-such-model-cacheblend")
 
 
+def test_a_misspelt_model_name_gets_the_closest_known_ones_and_the_listing(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match=r"Did you mean 'qwen2.5-coder-1.5b'\? `cacheblend-rag model list`"):
+        load_model("qwen2.5-coder-1.5")
+    with pytest.raises(ModelLoadError, match=r"Did you mean 'smollm2-135m-instruct'\?"):
+        load_model("SmolLM-135M-Instruct")
+    with pytest.raises(ModelLoadError) as far:  # nothing close: the listing alone
+        load_model("no-such-org/no-such-model-cacheblend")
+    assert "Did you mean" not in str(far.value) and "cacheblend-rag model list" in str(far.value)
+
+
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "missing.gguf")
