@@ -112,6 +112,7 @@ class CacheBlendEngine:
         model_kwargs: dict[str, Any] | None = None,
         min_blend_tokens: int = DEFAULT_MIN_BLEND_TOKENS,
         calibration_dir: str | None = None,
+        show_progress: bool | None = None,
     ) -> "CacheBlendEngine":
         """Load a model (default: the embedded SmolLM2-135M-Instruct) and wrap it; the options are
         :func:`cacheblend_rag.models.load_model`'s. ``min_blend_tokens``: prompts with fewer cached
@@ -119,7 +120,7 @@ class CacheBlendEngine:
         from cacheblend_rag.models.loader import load_model
 
         loaded = load_model(name_or_path, device=device, dtype=dtype, require_adapter=False, tokenizer=tokenizer,
-                            model_kwargs=model_kwargs)
+                            model_kwargs=model_kwargs, show_progress=show_progress)
         engine = cls(loaded.model, loaded.tokenizer, config=config, model_name=loaded.name,
                      min_blend_tokens=min_blend_tokens, calibration_dir=calibration_dir)
         engine.dtype_reason = loaded.dtype_reason

@@ -9,6 +9,7 @@ detected, removed and rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -19,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -172,6 +173,7 @@ def load_model(
     require_adapter: bool = True,
     tokenizer: str | os.PathLike[str] | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    show_progress: bool | None = None,
 ) -> LoadedModel:
     """Load a causal LM, its tokenizer and its architecture adapter.
 
@@ -186,8 +188,33 @@ def load_model(
     bfloat16 only where a probe measures it clearly faster than float32 (:mod:`~cacheblend_rag.models.dtype_choice`;
     ``LoadedModel.dtype_reason`` says which and why). ``require_adapter=False`` returns
     ``adapter=None`` for unsupported architectures instead of raising (the engine then serves
-    them with full prefill).
+    them with full prefill). ``show_progress``: transformers' own progress bars ("Loading weights") while
+    loading; off unless asked (or ``$CACHEBLEND_SHOW_PROGRESS=1``), as a load is one step of a larger one.
     """
+    with _progress_bars(show_progress):
+        return _load_model(name_or_path, device=device, dtype=dtype, require_adapter=require_adapter,
+                           tokenizer=tokenizer, model_kwargs=model_kwargs)
+
+
+@contextlib.contextmanager
+def _progress_bars(show: bool | None) -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    if show is None:
+        show = os.environ.get("CACHEBLEND_SHOW_PROGRESS", "").strip().lower() in ("1", "true", "yes")
+    hide = not show and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(name_or_path: str | os.PathLike[str] | None, *, device: str | torch.device | None,
+                dtype: torch.dtype | str | None, require_adapter: bool, tokenizer: str | os.PathLike[str] | None,
+                model_kwargs: dict[str, Any] | None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)

@@ -104,3 +104,13 @@ def test_an_unavailable_device_is_a_clear_error():
     with pytest.raises(ModelLoadError, match=r"device='gpu' is not a torch device"):
         resolve_device("gpu")
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_transformers_progress_bars_show_only_when_asked(capfd, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("CACHEBLEND_SHOW_PROGRESS", raising=False)
+    load_model()
+    assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()  # restored
+    load_model(show_progress=True)
+    assert "Loading weights" in capfd.readouterr().err
