@@ -51,3 +51,17 @@ def document_ids(tokenizer: Any, text: str | list[str], special_tokens: str = "t
     if checked_special_tokens(special_tokens) == "control":
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+class TokenCounter:
+    """A prompt's token ids by the model's tokenizer, as ``CacheBlendEngine.tokenize`` gives them, holding the
+    tokenizer alone: what token counters and memory buffers keep (LlamaIndex's ``TokenCountingHandler``,
+    ``Settings.tokenizer``) pickles and copies without the model (a bound ``engine.tokenize`` holds it all)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
+        return list(document_ids(self.tokenizer, checked_text(text), "control"))

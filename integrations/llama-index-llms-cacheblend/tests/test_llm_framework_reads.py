@@ -49,6 +49,17 @@ def test_token_counting_uses_the_model_tokenizer(engine) -> None:
     assert sum(len(llm.tokenizer_fn(m.content)) for m in kept) <= 30
 
 
+def test_a_token_counting_handler_pickles_without_the_model(engine) -> None:
+    import pickle
+
+    from llama_index.core.callbacks import TokenCountingHandler
+
+    llm = CacheBlendLLM.from_engine(engine)
+    counted = pickle.dumps(TokenCountingHandler(tokenizer=llm.tokenizer_fn))
+    assert len(counted) < len(pickle.dumps(engine.tokenizer)) + 10_000  # the tokenizer, not the model's weights
+    assert pickle.loads(counted).tokenizer("hello world") == engine.tokenize("hello world")
+
+
 def test_chat_template_kwargs_reach_the_template(qwen3) -> None:
     question = [ChatMessage(role="user", content="What is the capital of France?")]
     plain = CacheBlendLLM.from_engine(qwen3, max_new_tokens=2)

@@ -36,8 +36,8 @@ from llama_index.core.llms.llm import ToolSelection
 
 from cacheblend_rag.serving import (
     BLEND_FIELDS, SAMPLING_FIELDS, BlendService, CacheBlendEngine, CacheBlendSettings, ChatTurn, ChunkCache,
-    ConfigError, GenerationConfig, ReasoningDelta, TextDelta, ToolCall, ToolCalls, TurnEnd, TurnEvent, chosen_tools,
-    call_answer_length, iterate_in_thread, render_chat, tool_functions, tools_instruction, unknown_names_error,
+    ConfigError, GenerationConfig, ReasoningDelta, TextDelta, TokenCounter, ToolCall, ToolCalls, TurnEnd, TurnEvent,
+    chosen_tools, call_answer_length, iterate_in_thread, render_chat, tool_functions, tools_instruction, unknown_names_error,
 )
 from llama_index.llms.cacheblend._chat_turns import chat_dicts
 
@@ -168,7 +168,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
                 f"{self.base_url}: no model or tokenizer is loaded here. Load the served model's tokenizer here "
                 "(tokenizer_fn=transformers.AutoTokenizer.from_pretrained(<its folder or hub id>).encode), or keep "
                 "LlamaIndex's default counter; each response's raw['usage'] has the server's own token counts")
-        return self.engine.tokenize
+        return TokenCounter(self.engine.tokenizer)  # not engine.tokenize: a handler keeping it would hold the model
 
     @property
     def last_prompt(self) -> Optional[str]:
