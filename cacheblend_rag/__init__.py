@@ -31,6 +31,7 @@ from cacheblend_rag.errors import (
     CacheBlendError,
     ChunkMismatchError,
     ConfigError,
+    ContextWindowError,
     CorrectnessGateError,
     ModelLoadError,
     UnsupportedArchitectureError,
@@ -52,7 +53,7 @@ __version__ = _installed_version()
 
 __all__ = [
     "BlendConfig", "BlendInputError", "BlendResult", "BlendStats", "CacheBlendEngine", "CacheBlendError",
-    "CachedSegment", "ChunkKV", "ChunkMismatchError", "ConfigError", "CorrectnessGateError", "FreshSegment",
+    "CachedSegment", "ChunkKV", "ChunkMismatchError", "ConfigError", "ContextWindowError", "CorrectnessGateError", "FreshSegment",
     "GenerationConfig", "GenerationResult", "ModelLoadError", "StoredSegment", "UnsupportedArchitectureError",
     "load_model", "__version__",
 ]

@@ -23,6 +23,16 @@ class BlendInputError(CacheBlendError, ValueError):
     """The segments handed to ``blend`` cannot form a valid prompt."""
 
 
+class ContextWindowError(BlendInputError):
+    """The prompt has more tokens than the model's context window (``tokens`` and ``window`` say how many);
+    LangChain's integration raises it as ``langchain_core.exceptions.ContextOverflowError`` too."""
+
+    def __init__(self, message: str, *, tokens: int, window: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.window = window
+
+
 class ChunkMismatchError(BlendInputError):
     """A cached chunk was computed by another model or with another shape."""
 

@@ -21,7 +21,7 @@ from cacheblend_rag.engine.segments import (
     StoredSegment,
     as_segment,
 )
-from cacheblend_rag.errors import BlendInputError, ChunkMismatchError
+from cacheblend_rag.errors import BlendInputError, ChunkMismatchError, ContextWindowError
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 
@@ -63,10 +63,13 @@ def validate_segments(engine: "CheckedModel", segments: Iterable[SegmentLike], s
     for i, s in enumerate(segs):
         engine.check_vocabulary(s.token_ids, f"segment {i}")
     if total > engine.context_window:
-        raise BlendInputError(
-            f"the prompt has {total} tokens, more than the model's context window of "
-            f"{engine.context_window}; pass fewer or shorter chunks"
-        )
+        # The hint fits the prompt: chunks can be dropped; a conversation (an agent's loop) can only be cut.
+        chunked = any(isinstance(s, (CachedSegment, StoredSegment)) for s in segs)
+        raise ContextWindowError(
+            f"the prompt has {total} tokens, more than the model's context window of {engine.context_window}; "
+            + ("pass fewer or shorter chunks" if chunked else
+               "the conversation no longer fits: shorten it (drop earlier turns or tool results) or start a new one"),
+            tokens=total, window=engine.context_window)
     adapter = engine.adapter
     fingerprint = engine.fingerprint if any(isinstance(s, (CachedSegment, PrefixSegment)) for s in segs) else ""
     for i, s in enumerate(segs):

@@ -55,7 +55,7 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.concurrency import iterate_in_thread, run_in_thread
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.engine.text import TokenCounter
-from cacheblend_rag.errors import BlendInputError, ConfigError
+from cacheblend_rag.errors import BlendInputError, ConfigError, ContextWindowError
 from cacheblend_rag.serving.thinking import Thought, thinks
 from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
 from cacheblend_rag.serving.tools import ToolCall, chosen_tools, tool_functions, tools_instruction
@@ -70,7 +70,7 @@ __all__ = [
     "unknown_names_error", "call_answer_length",
     "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent", "render_turn",
     "run_turn", "RemoteChat", "RemoteServerError",
-    "BlendConfig", "GenerationConfig", "TokenCounter", "iterate_in_thread", "run_in_thread", "CacheBlendEngine", "BlendInputError",
+    "BlendConfig", "GenerationConfig", "TokenCounter", "iterate_in_thread", "run_in_thread", "CacheBlendEngine", "BlendInputError", "ContextWindowError",
     "ConfigError", "Thought", "thinks", "assistant_turn", "render_chat", "tool_turn", "ToolCall", "chosen_tools",
     "tool_functions", "tools_instruction", "ChunkCache", "WarmSummary",
 ]

@@ -46,6 +46,7 @@ from cacheblend_rag.serving import (
     CacheBlendSettings,
     ChatTurn,
     ConfigError,
+    ContextWindowError,
     GenerationConfig,
     ReasoningDelta,
     TextDelta,
@@ -59,6 +60,7 @@ from cacheblend_rag.serving import (
     tool_functions,
     unknown_names_error,
 )
+from langchain_cacheblend._errors import overflow_error
 from langchain_cacheblend._messages import render_prompt, text_chunk, texts_of, to_chat_dicts
 from langchain_cacheblend._profile import model_profile
 from langchain_cacheblend._structured import json_structured_output
@@ -363,6 +365,12 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         # Text streams as it can be shown (held only while it may still open a tool call), a thinking model's
         # thinking as reasoning_content; the calls come whole once the text has ended, before the request's
         # bookkeeping; the turn's end carries the counts and stats. Leaving early cancels the request.
+        try:
+            yield from self._events(turn)
+        except ContextWindowError as exc:  # before any text: the window is checked before the prompt runs
+            raise overflow_error(exc) from exc
+
+    def _events(self, turn: ChatTurn) -> Iterator[ChatGenerationChunk]:
         with closing(self.run_turn(turn)) as events:
             for event in events:
                 if isinstance(event, TextDelta):

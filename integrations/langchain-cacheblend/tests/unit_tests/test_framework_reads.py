@@ -125,3 +125,18 @@ def test_readme_documents_the_new_fields() -> None:
     text = README.read_text()
     for name in ("chat_template_kwargs", "reasoning_content", "get_num_tokens_from_messages", "profile"):
         assert re.search(rf"\b{name}\b", text), name
+
+
+def test_a_conversation_past_the_window_is_langchains_context_overflow(engine) -> None:
+    from langchain_core.exceptions import ContextOverflowError
+
+    from cacheblend_rag import ContextWindowError
+
+    llm = ChatCacheBlend(engine=engine, max_tokens=2)
+    window = engine.context_window
+    history = [HumanMessage("tool result: " + "river delta " * 400), AIMessage("noted")] * 4
+    with pytest.raises(ContextOverflowError, match=rf"more than the model's context window of {window}; the "
+                                                   r"conversation no longer fits") as raised:
+        llm.invoke([*history, HumanMessage("and now?")])
+    assert isinstance(raised.value, ContextWindowError) and isinstance(raised.value, ValueError)
+    assert raised.value.tokens > raised.value.window == window

@@ -1,6 +1,6 @@
 from langchain_cacheblend import __all__
 
-EXPECTED_ALL = ["CacheBlendRetriever", "ChatCacheBlend", "cacheblend_retriever_tool"]
+EXPECTED_ALL = ["CacheBlendContextOverflowError", "CacheBlendRetriever", "ChatCacheBlend", "cacheblend_retriever_tool"]
 
 
 def test_all_imports() -> None:
