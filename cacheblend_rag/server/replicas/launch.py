@@ -155,7 +155,8 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_routed(url: str, replicas: int, *, api_key: Optional[str], timeout: float = ROUTED_TIMEOUT_S) -> int:
+def _wait_routed(url: str, replicas: int, *, api_key: Optional[str], stop: threading.Event,
+                 timeout: float = ROUTED_TIMEOUT_S) -> int:
     """Poll ``/health`` until the front end's router has sent it to ``replicas`` distinct replicas (Ray reports the
     application running a moment before every router knows every replica; a document set first seen then would
     make its home on the one replica known, and keep it); the replicas seen (fewer on a timeout: served anyway)."""
@@ -164,7 +165,7 @@ def _wait_routed(url: str, replicas: int, *, api_key: Optional[str], timeout: fl
     seen: set[str] = set()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
-    while len(seen) < replicas and time.monotonic() < deadline:
+    while len(seen) < replicas and time.monotonic() < deadline and not stop.is_set():
         try:
             replica = httpx.get(f"{url}/health", headers=headers, timeout=10).headers.get("x-cacheblend-replica")
         except httpx.HTTPError:
@@ -204,7 +205,7 @@ def run(config: ServerConfig, options: ReplicaOptions, *, host: str = "127.0.0.1
                   file=sys.stderr)
             return 1
         seen = _wait_routed(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}", options.replicas,
-                            api_key=config.api_key)
+                            api_key=config.api_key, stop=stop)
         print(f"serving {config.name} on http://{host}:{port}", flush=True)
         print(f"{options.replicas} replicas on {'a local Ray' if local else options.ray_address} "
               f"({seen} answering through the router so far), router: {options.router}", file=sys.stderr, flush=True)
