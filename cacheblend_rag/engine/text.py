@@ -53,6 +53,14 @@ def document_ids(tokenizer: Any, text: str | list[str], special_tokens: str = "t
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
+def token_ids(tokenizer: Any, text: str, *, what: str = "the text", special_tokens: str = "control") -> list[int]:
+    """``CacheBlendEngine.tokenize``'s ids of ``text`` by ``tokenizer`` (no special tokens added); a clear error
+    where there is no tokenizer or the text is not valid Unicode."""
+    if tokenizer is None:
+        raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
+    return list(document_ids(tokenizer, checked_text(text, what), special_tokens))
+
+
 class TokenCounter:
     """A prompt's token ids by the model's tokenizer, as ``CacheBlendEngine.tokenize`` gives them, holding the
     tokenizer alone: what token counters and memory buffers keep (LlamaIndex's ``TokenCountingHandler``,
@@ -62,6 +70,4 @@ class TokenCounter:
         self.tokenizer = tokenizer
 
     def __call__(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise BlendInputError("this engine has no tokenizer; pass token ids, or build it with a tokenizer")
-        return list(document_ids(self.tokenizer, checked_text(text), "control"))
+        return token_ids(self.tokenizer, text)

@@ -342,7 +342,8 @@ def _hub_options(repo_id: str, timeout: float = 3.0, *, what: str = "model",
     if isinstance(cached, str):
         return {"local_files_only": True}
     where = f"not a local folder or .gguf file, and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-    instead += ". " + catalog.name_hint(repo_id) if what == "model" else ""
+    if what == "model":
+        instead += ". " + catalog.name_hint(repo_id)
     if constants.HF_HUB_OFFLINE:
         raise ModelLoadError(f"could not load {what} {repo_id!r}: it is {where}, and HF_HUB_OFFLINE is set. Pass a "
                              f"local path, or {instead}")

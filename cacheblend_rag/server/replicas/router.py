@@ -34,14 +34,11 @@ class ChunkAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [ReplicaView(id=rid, queue=self.replica_queue_len_cache.get(r.replica_id),
                              held=held_documents(r.routing_stats)) for rid, r in by_id.items()]
-        ranks = self._policy().rank(views, documents)
+        # Placed on the first choice now (route): Ray calls on_request_routed only where replicas may refuse
+        # requests (strict max_ongoing_requests), and the first rank takes it unless it is full.
+        ranks = self._policy().route(views, documents)
         if not ranks:  # no documents: two random replicas, the shorter queue first (Ray's default)
             return _two_choices(candidate_replicas)
-        # Remembered as placed on the first choice now: Ray calls on_request_routed only where replicas may
-        # refuse requests (strict max_ongoing_requests), and the first rank takes it unless it is full. A
-        # spill is not a move: the set keeps its home, where the next request goes once the queue is back.
-        if ranks[0][0] == self._policy().home(views, documents):
-            self._policy().placed(documents, ranks[0][0])
         return [[by_id[rid] for rid in rank] for rank in ranks if rank]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -80,8 +80,19 @@ class ChunkRouting:
     def rank(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[list[str]]:
         """Replica ids in order of preference, as Ray's ranks: ``[[first], [the others, best first]]``;
         ``[]`` when there are no documents or no replicas (Ray's default choice then)."""
+        return self._choose(replicas, documents)[0]
+
+    def route(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[list[str]]:
+        """``rank``, remembering the documents as placed on the first choice when it is their home: a spill
+        is not a move, the set keeps its home, where the next request goes once the queue is back."""
+        ranks, home = self._choose(replicas, documents)
+        if ranks and ranks[0][0] == home:
+            self.placed(documents, home)
+        return ranks
+
+    def _choose(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> tuple[list[list[str]], str]:
         if not documents or not replicas:
-            return []
+            return [], ""
         order = self._by_holding(replicas, documents)
         first = order[0]
         queues = [r.queue for r in replicas if r.queue is not None]
@@ -89,7 +100,7 @@ class ChunkRouting:
         # replicas keep ~4 queued each) a set stays home through the usual swings and moves only off a pile-up.
         if first.queue is not None and queues and first.queue >= self.spill_threshold + 2 * min(queues):
             first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
-        return [[first.id], [r.id for r in order if r.id != first.id]]
+        return [[first.id], [r.id for r in order if r.id != first.id]], order[0].id
 
     def home(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> Optional[str]:
         """The replica the documents belong on, load aside (``rank``'s first choice without a spill)."""
