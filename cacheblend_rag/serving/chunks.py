@@ -32,6 +32,7 @@ class AnnouncedChunks:
         self.capacity = capacity
         self._texts: OrderedDict[str, None] = OrderedDict()
         self._latest: tuple[str, ...] = ()
+        self._announcements = 0  # empty ones too: a retriever that found nothing announced nothing
         self._computed: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
 
@@ -45,6 +46,7 @@ class AnnouncedChunks:
             while len(self._texts) > self.capacity:
                 self._texts.popitem(last=False)
             self._latest = tuple(kept)
+            self._announcements += 1
         return kept
 
     def known(self) -> list[str]:
@@ -63,10 +65,16 @@ class AnnouncedChunks:
         with self._lock:
             return self._latest
 
+    def announcements(self) -> int:
+        """How many announcements were made since the last :meth:`clear`, empty ones included."""
+        with self._lock:
+            return self._announcements
+
     def clear(self) -> None:
         with self._lock:
             self._texts.clear()
             self._latest = ()
+            self._announcements = 0
             self._computed.clear()
 
     # A chunk the retrieval side computes at query time (the postprocessor, CacheBlendRetriever) is in

@@ -31,6 +31,7 @@ all requests are :meth:`BlendService.stats` (the server's ``/metrics``), never i
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -112,9 +113,12 @@ class Served:
 # Text deltas of one request, as the scheduler's worker decodes them; ``result()`` after the last one.
 ServedStream = RequestHandle[Served]
 
-# A prompt this long that reuses nothing is worth a warning: it is a RAG prompt by its size
-# (shorter ones are often a chat engine's own calls, or no RAG at all).
+# A prompt this long that speaks of its context (LlamaIndex's "Context information is below.", LangChain's
+# "pieces of retrieved context") and reuses nothing with no chunk ever announced is a RAG prompt whose
+# retriever was not wrapped: worth a warning. Any other prompt without retrieval (structured output, a chat
+# engine's own calls, an agent's turn before its retriever tool ran) is right as a full prefill: no warning.
 LONG_PROMPT_TOKENS = 200
+RAG_PROMPT = re.compile(r"\bcontext\b", re.IGNORECASE)
 
 
 def _escaped(text: str) -> str:
@@ -366,12 +370,20 @@ class BlendService:
     def _no_reuse(self, prompt: str, tokens: int, known: Sequence[str], latest: Sequence[str]) -> str:
         """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
         nothing, or the prompt holds the announced chunks changed, escaped or cut."""
+        if not latest and self.announced.announcements():
+            return ("the latest retrieval brought no chunks (its retriever returned nothing), so there is nothing "
+                    "to reuse: a full prefill")
         if not known:
-            cause, quiet = "none-announced", tokens < LONG_PROMPT_TOKENS  # a short prompt may well be no RAG prompt
-            reason = ("no chunk text was announced to this model, so nothing can be reused: add "
-                      "CacheBlendNodePostprocessor(llm=llm) to the query engine (LlamaIndex) or wrap the retriever "
-                      "in CacheBlendRetriever (LangChain); an agent's retriever tool: build it with "
-                      "cacheblend_retriever_tool (either framework)")
+            cause = "none-announced"
+            quiet = tokens < LONG_PROMPT_TOKENS or not RAG_PROMPT.search(prompt)
+            fix = ("add CacheBlendNodePostprocessor(llm=llm) to the query engine (LlamaIndex) or wrap the retriever in "
+                   "CacheBlendRetriever (LangChain); an agent's retriever tool: build it with cacheblend_retriever_tool "
+                   "(either framework)")
+            reason = (f"no chunk text was announced to this model, yet the prompt reads as a RAG prompt (it speaks of "
+                      f"its context), so its retrieved text is computed fresh: {fix}" if not quiet else
+                      f"no chunk text was announced to this model: a full prefill, right for a call without retrieval "
+                      f"(structured output, a plain chat, an agent's turn before its retriever tool ran); to reuse "
+                      f"retrieved chunks, {fix}")
         elif any(_escaped(text) in prompt for text in latest if _escaped(text) != text):
             cause, quiet = "escaped", False
             reason = ("the prompt holds the announced chunks escaped, as a Python list's repr (LlamaIndex's "

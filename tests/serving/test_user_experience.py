@@ -161,6 +161,28 @@ def test_reuse_that_drops_to_zero_is_warned_once_per_cause(service, caplog):
     assert quiet == "no announced chunk text appears verbatim in the prompt"
 
 
+def test_a_prompt_without_retrieval_is_a_full_prefill_without_a_warning(service, caplog):
+    """Structured output, a long plain chat, an agent's first turn: nothing was announced and the prompt does
+    not read as a RAG prompt, so the reason says the full prefill is right, and nothing is warned."""
+    long_plain = "Return a JSON verdict on this claim: " + " ".join(["the sky is green"] * 80)
+    reason, warnings = _reason(service, long_plain, caplog)
+    assert "right for a call without retrieval" in reason and "cacheblend_retriever_tool" in reason
+    assert warnings == []
+    reason, warnings = _reason(service, "Context: " + " ".join(["unrelated words"] * 150), caplog)
+    assert "reads as a RAG prompt" in reason and len(warnings) == 1  # an unwrapped retriever: that one warns
+
+
+def test_a_retriever_that_returned_nothing_is_said_so_without_a_warning(service, caplog):
+    service.announce([])  # the postprocessor or CacheBlendRetriever of a retrieval that found nothing
+    prompt = "Context: " + " ".join(["unrelated words"] * 150) + "\nQuestion?"
+    reason, warnings = _reason(service, prompt, caplog)
+    assert "returned nothing" in reason and warnings == []
+    service.announce([f"{CHUNKS[0]}\nSecond line."])
+    service.announce([])  # chunks known from before, none this time
+    reason, warnings = _reason(service, prompt, caplog)
+    assert "returned nothing" in reason and warnings == []
+
+
 # ------------------------------------------------------------------ 4. structured output and tools
 class Verdict(BaseModel):
     """A verdict on a claim."""
