@@ -4,26 +4,35 @@ A request's documents are known before it is tokenized: each is named by a diges
 whitespace normalized (:func:`document_digest`), the same on every front end, so every router in a
 cluster agrees without talking to the others. For each replica the policy counts how many of the
 request's documents it holds in its memory tier: what the replica last reported (its routing stats,
-every few seconds) and where this router itself sent those documents since. The replica holding most
+every few seconds) and where this router itself sent those documents lately (``placement_ttl_s``: long
+enough for the answer and the next report; after it the report alone says, so a set the home has evicted
+goes where it still is in memory, say where a spill left it). The replica holding most
 wins; among equals (a document set seen nowhere yet), rendezvous hashing of the whole set picks one, so
 a set has one home, a new replica takes over only the sets it now wins and a lost one hands over only
 its own. A preferred replica whose queue reaches ``spill_threshold`` plus twice the shortest queue is
 passed over for the least loaded one, so a hot document set cannot pin a replica while the others idle;
-a spill sends that one request elsewhere and leaves the set's home where it was. A request without documents is left to Ray's default choice (power of two choices).
+a spill sends that one request elsewhere and leaves the set's home where it was. What spills first is what
+the home would miss anyway: a request whose documents the home reports holding in memory waits there until
+its queue reaches twice that bound, so the spills that balance the load are the ones that cost no memory
+hit. A request without documents is left to Ray's default choice (power of two choices).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # A preferred replica's queue spills a request over once it reaches this plus twice the shortest queue.
 DEFAULT_SPILL_THRESHOLD = 3
 # Documents whose placement a router remembers (each a 16-character digest and a replica id).
 DEFAULT_REMEMBERED = 65536
+# Seconds a placement counts as held without the replica's report: a queued answer (seconds under load) and
+# the next routing-stats report (every 2 s) fit well inside it.
+DEFAULT_PLACEMENT_TTL_S = 30.0
 # The paths whose body's "documents" route a request; every other request goes by Ray's default.
 ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/documents/warm"})
 
@@ -68,14 +77,20 @@ class ChunkRouting:
     """The chunk router's choice (module docstring); one per router, not thread-safe (Ray calls a router
     on one event loop)."""
 
-    def __init__(self, spill_threshold: int = DEFAULT_SPILL_THRESHOLD, remembered: int = DEFAULT_REMEMBERED) -> None:
+    def __init__(self, spill_threshold: int = DEFAULT_SPILL_THRESHOLD, remembered: int = DEFAULT_REMEMBERED,
+                 placement_ttl_s: float = DEFAULT_PLACEMENT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(spill_threshold, bool) or not isinstance(spill_threshold, int) or spill_threshold < 1:
             raise ValueError(f"spill_threshold={spill_threshold!r} must be a positive number of requests")
         if isinstance(remembered, bool) or not isinstance(remembered, int) or remembered < 0:
             raise ValueError(f"remembered={remembered!r} must be a number of documents >= 0")
+        if isinstance(placement_ttl_s, bool) or not isinstance(placement_ttl_s, (int, float)) or not placement_ttl_s > 0:
+            raise ValueError(f"placement_ttl_s={placement_ttl_s!r} must be a number of seconds > 0")
         self.spill_threshold = spill_threshold
         self.remembered = remembered
-        self._placed: OrderedDict[str, str] = OrderedDict()  # document digest -> replica id, oldest first
+        self.placement_ttl_s = float(placement_ttl_s)
+        self._clock = clock
+        # document digest -> (replica id, when placed), oldest first
+        self._placed: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def rank(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[list[str]]:
         """Replica ids in order of preference, as Ray's ranks: ``[[first], [the others, best first]]``;
@@ -98,8 +113,14 @@ class ChunkRouting:
         queues = [r.queue for r in replicas if r.queue is not None]
         # "Well above": the threshold over twice the shortest queue, so that under load (8 clients on 2
         # replicas keep ~4 queued each) a set stays home through the usual swings and moves only off a pile-up.
-        if first.queue is not None and queues and first.queue >= self.spill_threshold + 2 * min(queues):
-            first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
+        # A home that holds the documents (its own report, not this router's placements, which outlive its
+        # evictions) keeps them to twice that: spilling a request the home would miss costs no memory hit.
+        if first.queue is not None and queues:
+            bound = self.spill_threshold + 2 * min(queues)
+            if _holds_most(first, documents):
+                bound *= 2
+            if first.queue >= bound:
+                first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
         return [[first.id], [r.id for r in order if r.id != first.id]], order[0].id
 
     def home(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> Optional[str]:
@@ -110,25 +131,36 @@ class ChunkRouting:
         wanted = set(documents)
         set_key = "\n".join(sorted(wanted))
 
+        since = self._clock() - self.placement_ttl_s
+        placed = {d: at[0] for d in wanted if (at := self._placed.get(d)) is not None and at[1] > since}
+
         def held(replica: ReplicaView) -> int:
-            return sum(1 for d in wanted if d in replica.held or self._placed.get(d) == replica.id)
+            return sum(1 for d in wanted if d in replica.held or placed.get(d) == replica.id)
 
         return sorted(replicas, key=lambda r: (-held(r), -rendezvous_weight(r.id, set_key)))
 
     def placed(self, documents: Sequence[str], replica_id: str) -> None:
-        """Remember that ``documents`` went to ``replica_id`` (its memory tier will hold them)."""
+        """Remember that ``documents`` went to ``replica_id`` (its memory tier will hold them): counted as held
+        there for ``placement_ttl_s``, then only as long as its report says so."""
         if not self.remembered:
             return
+        now = self._clock()
         for digest in documents:
             self._placed.pop(digest, None)
-            self._placed[digest] = replica_id
+            self._placed[digest] = (replica_id, now)
         while len(self._placed) > self.remembered:
             self._placed.popitem(last=False)
 
     def forget(self, replica_id: str) -> None:
         """A replica left: what it held is gone with it."""
-        for digest in [d for d, r in self._placed.items() if r == replica_id]:
+        for digest in [d for d, (r, _) in self._placed.items() if r == replica_id]:
             del self._placed[digest]
+
+
+def _holds_most(replica: ReplicaView, documents: Sequence[str]) -> bool:
+    """Whether the replica reports holding at least half of the documents in its memory tier."""
+    wanted = set(documents)
+    return 2 * sum(1 for d in wanted if d in replica.held) >= len(wanted)
 
 
 def held_documents(routing_stats: Any) -> frozenset[str]:
@@ -137,5 +169,5 @@ def held_documents(routing_stats: Any) -> frozenset[str]:
     return frozenset(d for d in documents if isinstance(d, str)) if isinstance(documents, list) else frozenset()
 
 
-__all__ = ["ChunkRouting", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView", "document_digest",
-           "held_documents", "rendezvous_weight", "request_documents"]
+__all__ = ["ChunkRouting", "DEFAULT_PLACEMENT_TTL_S", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView",
+           "document_digest", "held_documents", "rendezvous_weight", "request_documents"]

@@ -151,6 +151,33 @@ def test_placements_count_as_held_until_the_replica_is_forgotten():
     assert routing.rank(views(REPLICAS), documents)[0] == [home(REPLICAS, documents)]
 
 
+def test_a_placement_counts_for_its_ttl_then_the_reports_say_where_the_set_is():
+    """A set placed on its home, then spilled to another replica that reports holding it: while the placement
+    is fresh the tie goes to rendezvous (the home); once it is stale, the home's report (it evicted the set)
+    and the other's (it holds it) send the set where it is still in memory."""
+    now = [100.0]
+    routing = ChunkRouting(placement_ttl_s=30, clock=lambda: now[0])
+    documents = random_sets(1)[0]
+    preferred = home(REPLICAS, documents)
+    holder = next(r for r in REPLICAS if r != preferred)
+    routing.placed(documents, preferred)
+    replicas = [ReplicaView(r, held=frozenset(documents) if r == holder else frozenset()) for r in REPLICAS]
+    assert routing.rank(replicas, documents)[0] == [preferred]
+    now[0] += 29
+    assert routing.rank(replicas, documents)[0] == [preferred]
+    now[0] += 2
+    assert routing.rank(replicas, documents)[0] == [holder]
+    assert routing.rank(views(REPLICAS), documents)[0] == [preferred]  # held nowhere: rendezvous again
+    routing.route(replicas, documents)  # routed to the holder: placed there, fresh
+    assert routing.rank(views(REPLICAS), documents)[0] == [holder]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "30", None])
+def test_a_bad_placement_ttl_is_refused(bad):
+    with pytest.raises(ValueError, match="placement_ttl_s"):
+        ChunkRouting(placement_ttl_s=bad)
+
+
 def test_forget_drops_only_the_lost_replicas_placements():
     routing = ChunkRouting()
     to_b = a_set_whose_home_is_not("replica-b")
@@ -189,6 +216,32 @@ def test_a_long_queue_spills_to_the_least_loaded_replica():
     assert routing.rank(stays, documents)[0] == [preferred]  # 6 < 3 + 2 * 2: a swing under load, not a pile-up
     idle = [ReplicaView(preferred, queue=3), ReplicaView(others[0], queue=0), ReplicaView(others[1], queue=1)]
     assert routing.rank(idle, documents)[0] == [others[0]]  # 3 >= 3 + 0: the others idle
+
+
+def test_a_home_holding_the_documents_keeps_them_to_twice_the_bound():
+    """What spills first is what the home would miss anyway: a request whose documents the home reports
+    holding (at least half) waits there to twice the bound; one it reports not holding spills at the bound."""
+    documents = random_sets(1)[0]
+    preferred = home(REPLICAS, documents)
+    others = [r for r in REPLICAS if r != preferred]
+    routing = ChunkRouting(spill_threshold=3)
+
+    def at(queue: int, shortest: int, held) -> list[ReplicaView]:
+        return [ReplicaView(preferred, queue=queue, held=frozenset(held)), ReplicaView(others[0], queue=shortest + 3),
+                ReplicaView(others[1], queue=shortest)]
+
+    half = documents[: (len(documents) + 1) // 2]
+    for held in (documents, half):
+        assert routing.rank(at(5, 1, held), documents)[0] == [preferred]  # 5 < 2 * (3 + 2 * 1)
+        assert routing.rank(at(9, 1, held), documents)[0] == [preferred]
+        assert routing.rank(at(10, 1, held), documents)[0] == [others[1]]  # a hot set still cannot pin it
+        assert routing.rank(at(6, 0, held), documents)[0] == [others[1]]  # 6 >= 2 * 3: the others idle
+    assert routing.rank(at(5, 1, ()), documents)[0] == [others[1]]  # it holds none: 5 >= 3 + 2 * 1
+    if len(documents) > 2:  # less than half held: it would miss most of them, so it spills at the bound
+        assert routing.rank(at(5, 1, documents[:1]), documents)[0] == [others[1]]
+    # The placements this router made are not holdings: an evicted set spills at the bound.
+    routing.placed(documents, preferred)
+    assert routing.rank(at(5, 1, ()), documents)[0] == [others[1]]
 
 
 def test_a_spill_picks_the_best_ranked_of_equally_short_queues():
