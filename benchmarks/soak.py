@@ -33,14 +33,14 @@ from soak_env import DEFAULT_DATA, TMPFS_BYTES, disk_full, healthy_keys, load_co
 from soak_faults import FaultRunner, WarmJob, schedule
 from soak_traffic import Traffic, rag_prompt
 
-CONTROL_CANDIDATES = 8
+CONTROL_CANDIDATES = 8  # the control stream's candidate prompts by default (--control-prompts)
 
 
-def _control_prompts(env: Any, corpus: Any) -> tuple[dict[str, tuple[str, int]], int]:
+def _control_prompts(env: Any, corpus: Any, candidates: int) -> tuple[dict[str, tuple[str, int]], int]:
     """The control stream's prompts and full prefill's answers to them: candidates over warmed passages whose
     answer at ratio 1.0, asked alone before traffic, equals full prefill's (and how many were left out)."""
     reference, left_out = {}, 0
-    for q in range(min(CONTROL_CANDIDATES, len(corpus.questions))):
+    for q in range(min(candidates, len(corpus.questions))):
         prompt = rag_prompt(corpus.warm[q], corpus.questions[q])
         answer = env.llms["full_prefill"].complete(prompt).text
         if env.llms["control"].complete(prompt).text == answer:
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env.chunk_cache.flush()
         healthy_before = healthy_keys(env, env.disk)
         redis_before = len(healthy_keys(env, env.store.tiers[-1]))
-        reference, disagree_alone = _control_prompts(env, corpus)
+        reference, disagree_alone = _control_prompts(env, corpus, args.control_prompts)
         dtype = str(engine.dtype).removeprefix("torch.")
         warm_job = WarmJob(env.disk_path / "kv", env.redis.url(), corpus.job, env.chunk_cache.prefix_ids, dtype)
         warm_job.wait_ready()
@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "settings": {"minutes": args.minutes, "seed": args.seed, "rate_per_s": args.rate,
                          "deadline_s": args.deadline, "max_new_tokens": args.max_new_tokens,
                          "questions": args.questions, "passages": args.passages,
-                         "passage_tokens": args.passage_tokens, "timing_invariants": not args.no_timing},
+                         "passage_tokens": args.passage_tokens, "control_candidates": args.control_prompts,
+                         "timing_invariants": not args.no_timing},
             "machine": {"cpu": cpu_model_name(), "torch_threads": _torch_threads(),
                         "model": engine.model_name, "dtype": dtype},
             "store": {"tiers": env.store.describe(),
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=12, help="questions of the warmed corpus")
     parser.add_argument("--passages", type=int, default=3, help="passages per question")
     parser.add_argument("--passage-tokens", type=int, default=80)
+    parser.add_argument("--control-prompts", type=int, default=CONTROL_CANDIDATES,
+                        help="candidate prompts of the control stream, each answered twice before traffic")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MuSiQue dev file (else the demo corpus)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--no-timing", action="store_true", help="leave the recovery-time invariant out")

@@ -44,7 +44,11 @@ def test_the_schedule_is_seeded_and_runs_every_fault_even_in_a_minute(script_mod
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (apt-get install redis-server)")
 def test_a_one_minute_soak_holds_every_invariant_but_timing(tmp_path):
     out = tmp_path / "soak.json"
+    # A smaller corpus than the ten-minute soak's (6 questions of 3 passages of 48 tokens, 3 control candidates):
+    # its precomputing and the control answers cost ~50 s of SmolLM2 at one thread at the defaults, ~15 s so, and
+    # no check depends on a passage's length or on how many questions there are.
     done = subprocess.run([sys.executable, str(SCRIPT), "--minutes", "1", "--no-timing", "--threads", "1",
+                           "--questions", "6", "--passage-tokens", "48", "--control-prompts", "3",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     report = json.loads(out.read_text())
     assert {p["name"] for p in report["schedule"]} == FAULTS and not report["fault_injection_errors"]
