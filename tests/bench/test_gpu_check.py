@@ -54,7 +54,8 @@ def test_models_selects_what_is_timed_and_refuses_a_name_it_does_not_know(gpu_ch
     monkeypatch.setattr(gpu_check, "quality_engine", lambda device, dtype, smoke: (None, "stubbed"))
     out = tmp_path / "report.json"
     assert gpu_check.main(["--device", "cpu", "--smoke", "--models", "qwen-1.5b", "--out", str(out)]) == 0
-    assert [row["model"] for row in json.loads(out.read_text())["ttft"]] == ["random Qwen2.5-1.5B shape (0.00B)"]  # its random stand-in
+    timed = [row["model"] for row in json.loads(out.read_text())["ttft"]]
+    assert timed == ["random Qwen2.5-1.5B shape (0.00B)"]  # the quality model's random stand-in, alone
     done = subprocess.run([sys.executable, str(SCRIPT), "--models", "gpt-9"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "choose from smollm2, llama-1b, qwen-1.5b, mistral-7b" in done.stderr
