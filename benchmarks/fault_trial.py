@@ -2,10 +2,11 @@
 then answer from it, and check that nothing broke (prints JSON, then a Markdown table).
 
     .venv/bin/python benchmarks/fault_trial.py [--data ../shared/data/musique_dev.json] [--out trial.json]
-        [--chunk-tokens 120] [--load-tokens N] [--answer-tokens N]
+        [--model NAME] [--chunk-tokens 120] [--load-tokens N] [--answer-tokens N]
 
-The test suite runs every case too, on shorter passages and answers (``--chunk-tokens 16 --load-tokens 48
---answer-tokens 3``): no fault is left out, only the work of each request is smaller.
+The test suite runs every case too, on a tiny random model and shorter passages and answers (``--model
+tiny-llama --chunk-tokens 16 --load-tokens 48 --answer-tokens 3``): no fault is left out, only the work of
+each request is smaller.
 
 For each fault a copy of one healthy store is damaged, reopened (as a restarting replica would)
 and a prompt over its 4 chunks (MuSiQue passages when the file is there, else the demo corpus) is
@@ -77,6 +78,7 @@ class Trial:
     victim: Path
     keys: list[str]  # the chunks' store keys
     answer_tokens: int = 8
+    model: str | None = None  # --model: None is the embedded one (a child process loads the same)
 
     def key(self, index: int) -> str:
         return self.keys[index]
@@ -434,12 +436,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens of each of the 4 stored chunks (a passage's first ones)")
     parser.add_argument("--load-tokens", type=_at_least(8), default=None,
                         help="cut the load case's passages to their first N tokens (default: whole passages)")
+    parser.add_argument("--model", default=None,
+                        help="the model (default: the embedded SmolLM2); tiny-llama and the other tiny-* names "
+                             "are random test models, on which every case runs in a fraction of the time")
     parser.add_argument("--answer-tokens", type=_at_least(2, "so that an answer decodes from the blended KV"),
                         default=8, help="tokens of each greedy answer compared with the healthy one (the load case's "
                                         "requests keep their 6)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
+    engine = fault_trial_env.trial_engine(args.model)
     root = Path(tempfile.mkdtemp(prefix="fault-trial-"))
     victim = root / "outside" / "victim.txt"
     victim.parent.mkdir()
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         healthy, healthy_text, _ = _answer(engine, segments, cache, tokens=args.answer_tokens)
         keys = [cache.key_for(ids) for ids in chunks]
     trial = Trial(engine, chunks, segments, healthy, healthy_text, pristine, root, victim, keys,
-                  args.answer_tokens)
+                  args.answer_tokens, args.model)
 
     groups = {"values under our keys": _value_faults(), "forgery": _forgery_faults(),
               "index and files": _index_faults()}

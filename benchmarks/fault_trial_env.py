@@ -156,7 +156,8 @@ def file_system_faults(trial: Any, answer: Callable, cache_for: Callable, tolera
     def killed_mid_warm() -> dict[str, Any]:
         path = trial.work / "killed"
         shutil.rmtree(path, ignore_errors=True)
-        child = subprocess.Popen([sys.executable, __file__, "warm-slowly", str(path), repr(trial.chunks)],
+        child = subprocess.Popen([sys.executable, __file__, "warm-slowly", str(path), repr(trial.chunks),
+                                  trial.model or ""],
                                  stdout=subprocess.PIPE, text=True)
         said = [child.stdout.readline().split() for _ in range(2)]
         assert [words[:2] for words in said] == [["chunk", "0"], ["chunk", "1"]]  # two chunks complete
@@ -180,11 +181,22 @@ def file_system_faults(trial: Any, answer: Callable, cache_for: Callable, tolera
     return [_row(name, run, trial) for name, run in cases.items()]
 
 
-def _warm_slowly(path: str, chunks: str) -> None:
-    """The child of ``killed_mid_warm``: warms chunk by chunk, saying when each is complete."""
+def trial_engine(model: str | None) -> Any:
+    """The trial's engine: the embedded model (``None``), a ``tiny-*`` random test model (seeded: a child
+    process builds the very same weights), or any name or path the loader takes."""
     from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.serving.engine_key import TINY_MODEL_PREFIX, is_tiny_model_name
 
-    engine = CacheBlendEngine.from_pretrained(min_blend_tokens=0)
+    if model and is_tiny_model_name(model):
+        from cacheblend_rag.testing import tiny_engine
+
+        return tiny_engine(model[len(TINY_MODEL_PREFIX):])
+    return CacheBlendEngine.from_pretrained(model, min_blend_tokens=0)  # None: the embedded model
+
+
+def _warm_slowly(path: str, chunks: str, model: str) -> None:
+    """The child of ``killed_mid_warm``: warms chunk by chunk, saying when each is complete."""
+    engine = trial_engine(model or None)
     with ChunkCache(engine, DiskKVStore(path), storage_dtype="float32") as cache:
         for i, ids in enumerate(eval(chunks)):  # noqa: S307  (our own list of ints)
             started = time.perf_counter()
@@ -279,14 +291,17 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
         c = cache()
         real, calls = RedisKVStore.get_layers, []
 
-        def dies_at_the_tenth(self, requests):
+        # The 10th of SmolLM2's 30 layer reads; a third of the way through another model's (a tiny one's 2nd of 4).
+        at = max(2, min(10, trial.engine.model.config.num_hidden_layers // 3))
+
+        def dies_a_third_of_the_way(self, requests):
             calls.append(1)
-            if len(calls) == 10:
+            if len(calls) == at:
                 server.kill()
             return real(self, requests)
 
         try:
-            return answered_through(c, "get_layers", dies_at_the_tenth)
+            return answered_through(c, "get_layers", dies_a_third_of_the_way)
         finally:
             server.start()
 
@@ -322,7 +337,8 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
         return dict(answer_same=same, seconds=[round(t, 1) for t in times],
                     load_failures=sum(r[2].load_failures for r in results), survived=same)
 
-    cases = {"Redis hung (SIGSTOP), then back (SIGCONT)": hung, "Redis killed at the 10th layer read": killed_mid_layer,
+    cases = {"Redis hung (SIGSTOP), then back (SIGCONT)": hung,
+             "Redis killed at the 10th layer read (a third of the way)": killed_mid_layer,
              "Redis keys flushed between manifest and layer reads": flushed_mid_read,
              "Redis FLUSHALL at random 0.05-0.4 s intervals": random_flushes}
     try:
@@ -372,4 +388,4 @@ def load_case(trial: Any, passages: list[str], questions: list[str]) -> list[dic
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["warm-slowly"]:
-    _warm_slowly(sys.argv[2], sys.argv[3])
+    _warm_slowly(sys.argv[2], sys.argv[3], sys.argv[4])
