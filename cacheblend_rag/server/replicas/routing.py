@@ -11,7 +11,11 @@ wins; among equals (a document set seen nowhere yet), rendezvous hashing of the 
 a set has one home, a new replica takes over only the sets it now wins and a lost one hands over only
 its own. A preferred replica whose queue reaches ``spill_threshold`` plus twice the shortest queue is
 passed over for the least loaded one, so a hot document set cannot pin a replica while the others idle;
-a spill sends that one request elsewhere and leaves the set's home where it was. What spills first is what
+a spill sends that one request elsewhere and leaves the set's home where it was. Homes are kept balanced
+as well (consistent hashing with bounded loads): a replica that took more than ``balance`` times its even
+share of this router's recent requests is passed over for the next replica in the set's order, and the set
+moves there, where it stays (its latest placement wins ties), so hot sets spread over the replicas by what
+they cost, not by their hashes' luck. What spills first is what
 the home would miss anyway: a request whose documents the home reports holding in memory waits there until
 its queue reaches twice that bound, so the spills that balance the load are the ones that cost no memory
 hit. A request without documents is left to Ray's default choice (power of two choices).
@@ -30,6 +34,10 @@ from typing import Any, Callable, Optional, Sequence
 DEFAULT_SPILL_THRESHOLD = 3
 # Documents whose placement a router remembers (each a 16-character digest and a replica id).
 DEFAULT_REMEMBERED = 65536
+# A home that took more than this times its even share of the recent requests takes no new set (bounded loads).
+DEFAULT_BALANCE = 1.1
+# Requests the recent load is counted over (an exponential decay of this window).
+LOAD_WINDOW = 64
 # Seconds a placement counts as held without the replica's report: a queued answer (seconds under load) and
 # the next routing-stats report (every 2 s) fit well inside it.
 DEFAULT_PLACEMENT_TTL_S = 30.0
@@ -78,19 +86,24 @@ class ChunkRouting:
     on one event loop)."""
 
     def __init__(self, spill_threshold: int = DEFAULT_SPILL_THRESHOLD, remembered: int = DEFAULT_REMEMBERED,
-                 placement_ttl_s: float = DEFAULT_PLACEMENT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 placement_ttl_s: float = DEFAULT_PLACEMENT_TTL_S, balance: float = DEFAULT_BALANCE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(spill_threshold, bool) or not isinstance(spill_threshold, int) or spill_threshold < 1:
             raise ValueError(f"spill_threshold={spill_threshold!r} must be a positive number of requests")
         if isinstance(remembered, bool) or not isinstance(remembered, int) or remembered < 0:
             raise ValueError(f"remembered={remembered!r} must be a number of documents >= 0")
         if isinstance(placement_ttl_s, bool) or not isinstance(placement_ttl_s, (int, float)) or not placement_ttl_s > 0:
             raise ValueError(f"placement_ttl_s={placement_ttl_s!r} must be a number of seconds > 0")
+        if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not balance >= 1:
+            raise ValueError(f"balance={balance!r} must be a number >= 1 (a replica's load over its even share)")
         self.spill_threshold = spill_threshold
         self.remembered = remembered
         self.placement_ttl_s = float(placement_ttl_s)
         self._clock = clock
         # document digest -> (replica id, when placed), oldest first
         self._placed: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.balance = float(balance)
+        self._load: dict[str, float] = {}  # replica id -> requests routed to it lately (decayed)
 
     def rank(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[list[str]]:
         """Replica ids in order of preference, as Ray's ranks: ``[[first], [the others, best first]]``;
@@ -103,13 +116,18 @@ class ChunkRouting:
         ranks, home = self._choose(replicas, documents)
         if ranks and ranks[0][0] == home:
             self.placed(documents, home)
+        if ranks:
+            for rid in self._load:
+                self._load[rid] *= 1 - 1 / LOAD_WINDOW
+            self._load[ranks[0][0]] = self._load.get(ranks[0][0], 0.0) + 1
         return ranks
 
     def _choose(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> tuple[list[list[str]], str]:
         if not documents or not replicas:
             return [], ""
         order = self._by_holding(replicas, documents)
-        first = order[0]
+        home = self._within_bound(order)
+        first = home
         queues = [r.queue for r in replicas if r.queue is not None]
         # "Well above": the threshold over twice the shortest queue, so that under load (8 clients on 2
         # replicas keep ~4 queued each) a set stays home through the usual swings and moves only off a pile-up.
@@ -121,10 +139,19 @@ class ChunkRouting:
                 bound *= 2
             if first.queue >= bound:
                 first = min((r for r in order if r.queue is not None), key=lambda r: r.queue or 0)
-        return [[first.id], [r.id for r in order if r.id != first.id]], order[0].id
+        return [[first.id], [r.id for r in order if r.id != first.id]], home.id
+
+    def _within_bound(self, order: list[ReplicaView]) -> ReplicaView:
+        """The first replica of the set's order whose recent load is within ``balance`` times an even share
+        (bounded loads); the first outright until a window's worth of requests is counted."""
+        total = sum(self._load.get(r.id, 0.0) for r in order)
+        if total < LOAD_WINDOW / 4:
+            return order[0]
+        cap = self.balance * total / len(order)
+        return next((r for r in order if self._load.get(r.id, 0.0) <= cap), order[0])
 
     def home(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> Optional[str]:
-        """The replica the documents belong on, load aside (``rank``'s first choice without a spill)."""
+        """The replica holding most of the documents, load aside (neither the bound on homes nor a spill)."""
         return self._by_holding(replicas, documents)[0].id if documents and replicas else None
 
     def _by_holding(self, replicas: Sequence[ReplicaView], documents: Sequence[str]) -> list[ReplicaView]:
@@ -137,7 +164,10 @@ class ChunkRouting:
         def held(replica: ReplicaView) -> int:
             return sum(1 for d in wanted if d in replica.held or placed.get(d) == replica.id)
 
-        return sorted(replicas, key=lambda r: (-held(r), -rendezvous_weight(r.id, set_key)))
+        def placed_here(replica: ReplicaView) -> int:  # a set moved by the bound stays where it moved
+            return sum(1 for d in wanted if placed.get(d) == replica.id)
+
+        return sorted(replicas, key=lambda r: (-held(r), -placed_here(r), -rendezvous_weight(r.id, set_key)))
 
     def placed(self, documents: Sequence[str], replica_id: str) -> None:
         """Remember that ``documents`` went to ``replica_id`` (its memory tier will hold them): counted as held
@@ -155,6 +185,7 @@ class ChunkRouting:
         """A replica left: what it held is gone with it."""
         for digest in [d for d, (r, _) in self._placed.items() if r == replica_id]:
             del self._placed[digest]
+        self._load.pop(replica_id, None)
 
 
 def _holds_most(replica: ReplicaView, documents: Sequence[str]) -> bool:
@@ -169,5 +200,5 @@ def held_documents(routing_stats: Any) -> frozenset[str]:
     return frozenset(d for d in documents if isinstance(d, str)) if isinstance(documents, list) else frozenset()
 
 
-__all__ = ["ChunkRouting", "DEFAULT_PLACEMENT_TTL_S", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView",
+__all__ = ["ChunkRouting", "DEFAULT_BALANCE", "DEFAULT_PLACEMENT_TTL_S", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView",
            "document_digest", "held_documents", "rendezvous_weight", "request_documents"]

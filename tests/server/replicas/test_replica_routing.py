@@ -172,6 +172,40 @@ def test_a_placement_counts_for_its_ttl_then_the_reports_say_where_the_set_is():
     assert routing.rank(views(REPLICAS), documents)[0] == [holder]
 
 
+def test_homes_stay_within_the_bound_and_a_moved_set_stays_where_it_moved():
+    """Bounded loads: sets whose hashes all favour one replica, asked in turn, end up spread over both (each
+    within ``balance`` of an even share), and each set keeps to one replica once moved (no flip-flop)."""
+    pair = REPLICAS[:2]
+    sets = [s for s in random_sets(400) if home(pair, s) == pair[0]][:12]
+    routing = ChunkRouting(balance=1.1)
+    went: list[tuple[int, str]] = []
+    for i in range(600):
+        which = i % len(sets)
+        went.append((which, routing.route(views(pair), sets[which])[0][0]))
+    last = went[-240:]
+    share = sum(r == pair[1] for _, r in last) / len(last)
+    assert 0.4 <= share <= 0.6, share  # without the bound: 0.0, every set on its hash's replica
+    # Once the loads settle each set keeps to one replica: at most a few move within the last 20 rounds.
+    moved = sum(len({r for w, r in last if w == which}) > 1 for which in range(len(sets)))
+    assert moved <= 2, moved
+    assert ChunkRouting(balance=1.1).route(views(pair), sets[0])[0][0] == pair[0]  # a fresh router: its hash's home
+
+
+def test_the_bound_waits_for_a_window_of_requests_and_forgets_a_lost_replica():
+    pair = REPLICAS[:2]
+    documents = next(s for s in random_sets() if home(pair, s) == pair[0])
+    routing = ChunkRouting()
+    assert all(routing.route(views(pair), documents)[0] == [pair[0]] for _ in range(10))  # too few to judge
+    routing.forget(pair[0])
+    assert pair[0] not in routing._load
+
+
+@pytest.mark.parametrize("bad", [0.99, 0, -1, True, "1.2", None])
+def test_a_bad_balance_is_refused(bad):
+    with pytest.raises(ValueError, match="balance"):
+        ChunkRouting(balance=bad)
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, True, "30", None])
 def test_a_bad_placement_ttl_is_refused(bad):
     with pytest.raises(ValueError, match="placement_ttl_s"):
