@@ -16,7 +16,8 @@ command started, every set warmed into the store through the app (``/v1/document
 ``--no-warm-store`` skips it), ``--warmup`` requests sent (not counted), then ``--requests`` from ``--clients`` client
 threads, bounded by ``--max-minutes``, and the command stopped by SIGTERM to its pid. Beside the measurement,
 ``lru_model`` replays the same sequence one request at a time through LRU tiers of the same size: the chunk
-policy (no queues, so no spill) against a random replica, which is what this workload allows a router at best.
+policy's affinity alone (no queues, so no spill; no load bound) against a random replica, which is what this
+workload allows a router at best.
 
     .venv/bin/python benchmarks/bench_replicas.py --out docs/data/bench_replicas.json --plot docs/bench_replicas.png
 """
@@ -323,8 +324,9 @@ def summarize(results: list[dict[str, Any]], wall: float, warm: list[dict[str, A
 
 def lru_model(items: list[dict[str, Any]], chunk_bytes: dict[str, int], capacity: int, warmup: int,
               seed: int) -> dict[str, Any]:
-    """The same sequence, one request at a time, through two LRU tiers of ``capacity`` bytes: the chunk policy
-    (:class:`ChunkRouting`, no queues so no spill) against a random replica. Memory share of the measured part."""
+    """The same sequence, one request at a time, through two LRU tiers of ``capacity`` bytes: the chunk policy's
+    affinity alone (:meth:`ChunkRouting.rank` on the tiers' true contents: no queues so no spill, no load bound)
+    against a random replica. Memory share of the measured part."""
     from cacheblend_rag.server.replicas.routing import ChunkRouting, ReplicaView, document_digest
 
     out: dict[str, Any] = {}
