@@ -23,10 +23,10 @@ from cacheblend_rag.models import catalog, loader
 from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, dtype_name
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME, cache_root, default_gguf_path, resolve_device
 
-# Tiny random models from cacheblend_rag.testing: a full pipeline in milliseconds, for tests.
+# Tiny random models (cacheblend_rag.models.tiny): a full pipeline in milliseconds, for tests.
 TINY_MODEL_PREFIX = "tiny-"
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# What cacheblend_rag.testing.tiny_engine builds when no device or dtype is asked for (the registry asks
+# What cacheblend_rag.engine.tiny.tiny_engine builds when no device or dtype is asked for (the registry asks
 # for none: a tiny model's dtype is always its own).
 _TINY_DEVICE, _TINY_DTYPE = "cpu", "float32"
 # Model widths read for the CPU's auto dtype, per source and options: reading one verifies a GGUF's converted

@@ -74,7 +74,7 @@ _slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.Weak
 def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | None,
           model_kwargs: dict[str, Any]) -> CacheBlendEngine:
     if is_tiny_model_name(model):
-        from cacheblend_rag.testing import tiny_engine
+        from cacheblend_rag.engine.tiny import tiny_engine
 
         arch = model[len(TINY_MODEL_PREFIX):]
         if arch not in TINY_ARCHITECTURES:
