@@ -6,19 +6,20 @@ cluster agrees without talking to the others. For each replica the policy counts
 request's documents it holds in its memory tier: what the replica last reported (its routing stats,
 every few seconds) and where this router itself sent those documents lately (``placement_ttl_s``: long
 enough for the answer and the next report; after it the report alone says, so a set the home has evicted
-goes where it still is in memory, say where a spill left it). The replica holding most
-wins; among equals (a document set seen nowhere yet), rendezvous hashing of the whole set picks one, so
-a set has one home, a new replica takes over only the sets it now wins and a lost one hands over only
-its own. A preferred replica whose queue reaches ``spill_threshold`` plus twice the shortest queue is
-passed over for the least loaded one, so a hot document set cannot pin a replica while the others idle;
-a spill sends that one request elsewhere and leaves the set's home where it was. Homes are kept balanced
-as well (consistent hashing with bounded loads): a replica that took more than ``balance`` times its even
-share of this router's recent requests is passed over for the next replica in the set's order, and the set
-moves there, where it stays (its latest placement wins ties), so hot sets spread over the replicas by what
-they cost, not by their hashes' luck. What spills first is what
-the home would miss anyway: a request whose documents the home reports holding in memory waits there until
-its queue reaches twice that bound, so the spills that balance the load are the ones that cost no memory
-hit. A request without documents is left to Ray's default choice (power of two choices).
+goes where it still is in memory, say where a spill left it). The replica holding most wins; among equals,
+the one this router placed the set on last, then rendezvous hashing of the whole set (a set seen nowhere
+yet), so a set has one home, a new replica takes over only the sets it now wins and a lost one hands over
+only its own.
+
+Homes are kept balanced (consistent hashing with bounded loads): a replica that took more than ``balance``
+times its even share of this router's recent requests is passed over for the next replica in the set's
+order, and the set moves there, where it stays (its latest placement wins ties), so hot sets spread over
+the replicas by what they cost, not by their hashes' luck. A preferred replica whose queue reaches
+``spill_threshold`` plus twice the shortest queue is passed over for the least loaded one, so a hot
+document set cannot pin a replica while the others idle; a spill sends that one request elsewhere and
+leaves the set's home where it was. What spills first is what the home would miss anyway: a request whose
+documents the home reports holding in memory waits there until its queue reaches twice that bound. A
+request without documents is left to Ray's default choice (power of two choices).
 """
 
 from __future__ import annotations
