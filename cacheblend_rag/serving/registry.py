@@ -72,7 +72,7 @@ _slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.Weak
 
 
 def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | None,
-          model_kwargs: dict[str, Any]) -> CacheBlendEngine:
+          model_kwargs: dict[str, Any], show_progress: bool | None = None) -> CacheBlendEngine:
     if is_tiny_model_name(model):
         from cacheblend_rag.engine.tiny import tiny_engine
 
@@ -91,14 +91,16 @@ def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | No
     # Loaded for any settings: an architecture without an adapter is refused (or served by full
     # prefill) by each integration object according to its own fallback_to_full_prefill.
     return CacheBlendEngine.from_pretrained(name_or_path, device=device, dtype=dtype, tokenizer=tokenizer,
-                                            model_kwargs=model_kwargs, config=BlendConfig(fallback_to_full_prefill=True))
+                                            model_kwargs=model_kwargs, config=BlendConfig(fallback_to_full_prefill=True),
+                                            show_progress=show_progress)
 
 
 def shared_engine(
     model: str, *, device: str | None = None, dtype: str | None = None, tokenizer: str | None = None,
-    model_kwargs: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None, show_progress: bool | None = None,
 ) -> CacheBlendEngine:
     """The process-wide engine for ``model`` on ``device`` in ``dtype`` (loaded on first use).
+    ``show_progress``: transformers' progress bars if this call loads it (not part of what names the engine).
     ``model`` is the embedded model's name, a catalog name, a folder, a ``.gguf`` file, a hub id or
     ``tiny-<arch>``; ``device`` ``None`` or ``"auto"`` is the best one here; ``tokenizer`` and
     ``model_kwargs`` as for :func:`cacheblend_rag.models.load_model`. Arguments that resolve to the same
@@ -108,7 +110,8 @@ def shared_engine(
     with _registry_lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = _load(model, loader_device_argument(device), dtype, tokenizer, options)
+            engine = _engines[key] = _load(model, loader_device_argument(device), dtype, tokenizer, options,
+                                           show_progress)
             _recipes[engine] = EngineRecipe(model, device, dtype, tokenizer, options)
         return engine
 

@@ -146,6 +146,11 @@ class CacheBlendSettings(PicklesWithoutEngine):
     )
     device: Optional[str] = Field(default=None, description="Torch device; None picks CUDA when available.")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16; None picks per device.")
+    show_progress: bool = Field(
+        default=False,
+        description="Show transformers' own progress bars (\"Loading weights\") while this object loads its model; "
+                    "off, a load prints at most one line per step ($CACHEBLEND_SHOW_PROGRESS=1 turns them on too).",
+    )
     tokenizer_name: Optional[str] = Field(
         default=None, description="Load the tokenizer from this folder or hub id instead of the model's."
     )
@@ -438,7 +443,8 @@ class CacheBlendSettings(PicklesWithoutEngine):
     def _open_service(self) -> BlendService:
         if self.engine is None:
             self.engine = shared_engine(self.model, device=self.device, dtype=self.dtype,
-                                        tokenizer=self.tokenizer_name, model_kwargs=self.model_kwargs)
+                                        tokenizer=self.tokenizer_name, model_kwargs=self.model_kwargs,
+                                        show_progress=self.show_progress or None)
         engine = self.engine
         if engine.adapter is None and not self.fallback_to_full_prefill:
             raise UnsupportedArchitectureError(

@@ -31,6 +31,27 @@ def test_both_integrations_expose_every_blend_field_with_the_same_default():
             assert cls.model_fields[name].default == CacheBlendSettings.model_fields[name].default, (cls, name)
 
 
+@pytest.mark.parametrize("cls", [CacheBlendLLM, ChatCacheBlend])
+def test_show_progress_reaches_the_load_and_does_not_name_another_engine(cls, tmp_path, monkeypatch):
+    """``show_progress=True`` asks the loader for transformers' bars; off (the default) it asks for nothing and
+    the environment decides. The engine is the same either way (the flag is not part of its key)."""
+    from cacheblend_rag.serving import registry
+    from cacheblend_rag.testing import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / f"model-{cls.__name__}"))
+    asked = []
+
+    def load(model, device, dtype, tokenizer, model_kwargs, show_progress=None):
+        asked.append(show_progress)
+        return tiny_engine("llama")
+
+    monkeypatch.setattr(registry, "_load", load)
+    loud = cls(model=folder, show_progress=True)
+    quiet = cls(model=folder)
+    assert asked == [True] and quiet.engine is loud.engine
+    assert cls.model_fields["show_progress"].default is False
+
+
 @pytest.mark.parametrize("field, value", [("recompute_ratio", 1.5), ("selection", "nope"), ("profile_tokens", 0),
                                           ("storage_dtype", "int3"),
                                           ("deviation", "both"), ("check_layer", 9), ("store_size_limit", "lots"),
