@@ -100,3 +100,27 @@ def test_thinking_is_the_messages_thinking_block(qwen3, engine, monkeypatch) -> 
 def test_other_libraries_names_get_ours(engine, given: str, hint: str) -> None:
     with pytest.raises(ValidationError, match=hint):
         CacheBlendLLM.from_engine(engine, **{given: 8})
+
+
+def test_a_conversation_past_the_window_says_so_before_it_runs(engine) -> None:
+    """LlamaIndex has no context-overflow error type of its own: the serving layer's ContextWindowError (a
+    ValueError) names the tokens and the window, and says the conversation no longer fits; the agents'
+    ChatMemoryBuffer, sized from ``metadata.context_window`` and counting with the model's own tokenizer
+    (``tokenizer_fn=llm.tokenizer_fn``, as the README says: LlamaIndex's default counts tiktoken's tokens, fewer
+    than a small vocabulary's), trims the history so a loop never gets there."""
+    from cacheblend_rag import ContextWindowError
+
+    llm = CacheBlendLLM.from_engine(engine, max_new_tokens=2)
+    window = engine.context_window
+    history = [ChatMessage(role="user", content="tool result: " + "river delta " * 400),
+               ChatMessage(role="assistant", content="noted")] * 4
+    with pytest.raises(ContextWindowError, match=rf"more than the model's context window of {window}; the "
+                                                 r"conversation no longer fits") as raised:
+        llm.chat([*history, ChatMessage(role="user", content="and now?")])
+    assert raised.value.tokens > raised.value.window == window
+    memory = ChatMemoryBuffer.from_defaults(llm=llm, tokenizer_fn=llm.tokenizer_fn)
+    for message in history:
+        memory.put(message)
+    kept = memory.get()
+    assert len(kept) < len(history)
+    assert llm.chat([*kept, ChatMessage(role="user", content="and now?")]).message.content is not None
