@@ -368,8 +368,9 @@ class BlendService:
                                         [v[0, :, start:end] for v in values], fingerprint, salt=prepared.salt)
 
     def _no_reuse(self, prompt: str, tokens: int, known: Sequence[str], latest: Sequence[str]) -> str:
-        """Why a prompt reuses no chunk KV, warned once per cause: the retrieval side announced
-        nothing, or the prompt holds the announced chunks changed, escaped or cut."""
+        """Why a prompt reuses no chunk KV: the latest retrieval found nothing, nothing was ever announced
+        (warned once only where the prompt reads as a RAG prompt), or the prompt holds the announced chunks
+        changed, escaped or cut (each warned once: the user can change it)."""
         if not latest and self.announced.announcements():
             return ("the latest retrieval brought no chunks (its retriever returned nothing), so there is nothing "
                     "to reuse: a full prefill")
