@@ -122,12 +122,12 @@ def kv_layout(model: str) -> tuple[Any, int, str]:
     import torch
 
     from cacheblend_rag.models.shapes import LayerShapes
-    from cacheblend_rag.serving.engine_key import TINY_MODEL_PREFIX, is_tiny_model_name, loader_model_argument
+    from cacheblend_rag.serving.engine_key import is_tiny_model_name, loader_model_argument
 
     if is_tiny_model_name(model):
-        from cacheblend_rag.testing import tiny_engine
+        from cacheblend_rag.serving.registry import tiny_engine_named
 
-        engine = tiny_engine(model[len(TINY_MODEL_PREFIX):])
+        engine = tiny_engine_named(model)
         net, tokenizer = engine.model, engine.tokenizer
     else:  # loaded here, not through the process-wide registry: nothing else in this process holds it after
         from cacheblend_rag.models.loader import load_model

@@ -185,12 +185,11 @@ def trial_engine(model: str | None) -> Any:
     """The trial's engine: the embedded model (``None``), a ``tiny-*`` random test model (seeded: a child
     process builds the very same weights), or any name or path the loader takes."""
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.serving.engine_key import TINY_MODEL_PREFIX, is_tiny_model_name
+    from cacheblend_rag.serving.engine_key import is_tiny_model_name
+    from cacheblend_rag.serving.registry import tiny_engine_named
 
     if model and is_tiny_model_name(model):
-        from cacheblend_rag.testing import tiny_engine
-
-        return tiny_engine(model[len(TINY_MODEL_PREFIX):])
+        return tiny_engine_named(model)
     return CacheBlendEngine.from_pretrained(model, min_blend_tokens=0)  # None: the embedded model
 
 

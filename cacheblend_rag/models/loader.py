@@ -7,9 +7,9 @@ digests. Later loads verify the manifest and take seconds; a damaged copy is
 detected, removed and rebuilt. The GGUF's SHA-256 (part of the weights' source,
 so of every store key) is remembered by the file's size, mtime and inode, as
 git's index remembers a file's state: a load hashes the 100 MB GGUF only when it
-changed. The copy's manifest holds XXH3-128 digests (a tenth of SHA-256's time
-over its 540 MB); a manifest of SHA-256 digests, as written before, is verified
-once and rewritten so.
+changed. The copy's manifest holds XXH3-128 digests (0.22 s against SHA-256's
+0.46 s over its 513 MB, read from the page cache on a 2-core AMD EPYC); a
+manifest of SHA-256 digests, as written before, is verified once and rewritten so.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _verify_converted(folder: Path) -> bool:
         return False
 
 
-def _write_manifest(folder: Path, gguf_name: str, names: Any = None) -> None:
+def _write_manifest(folder: Path, gguf_name: str, names: list[str] | None = None) -> None:
     """The copy's manifest of XXH3-128 digests: of ``names``, else of every file there (not dot files)."""
     if names is None:
         names = [p.name for p in sorted(folder.iterdir())

@@ -71,18 +71,24 @@ _recipes: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineRecipe]" = weakref.
 _slots: "weakref.WeakKeyDictionary[CacheBlendEngine, EngineSlot]" = weakref.WeakKeyDictionary()
 
 
+def tiny_engine_named(model: str) -> CacheBlendEngine:
+    """A fresh engine over the tiny random model ``model`` names (``tiny-<arch>``; seeded, so every process
+    builds the same weights); a name of no known architecture is a ``ConfigError`` listing the known ones."""
+    from cacheblend_rag.engine.tiny import tiny_engine
+
+    arch = model[len(TINY_MODEL_PREFIX):] if is_tiny_model_name(model) else ""
+    if arch not in TINY_ARCHITECTURES:
+        raise ConfigError(
+            f"model={model!r} is not a known tiny test model; choose one of "
+            f"{', '.join(TINY_MODEL_PREFIX + a for a in TINY_ARCHITECTURES)}, or pass a real model"
+        )
+    return tiny_engine(arch)
+
+
 def _load(model: str, device: str | None, dtype: str | None, tokenizer: str | None,
           model_kwargs: dict[str, Any], show_progress: bool | None = None) -> CacheBlendEngine:
     if is_tiny_model_name(model):
-        from cacheblend_rag.engine.tiny import tiny_engine
-
-        arch = model[len(TINY_MODEL_PREFIX):]
-        if arch not in TINY_ARCHITECTURES:
-            raise ConfigError(
-                f"model={model!r} is not a known tiny test model; choose one of "
-                f"{', '.join(TINY_MODEL_PREFIX + a for a in TINY_ARCHITECTURES)}, or pass a real model"
-            )
-        engine = tiny_engine(arch)
+        engine = tiny_engine_named(model)
         if device is not None:
             engine.model.to(device)
             engine.device = next(engine.model.parameters()).device

@@ -201,5 +201,5 @@ def held_documents(routing_stats: Any) -> frozenset[str]:
     return frozenset(d for d in documents if isinstance(d, str)) if isinstance(documents, list) else frozenset()
 
 
-__all__ = ["ChunkRouting", "DEFAULT_BALANCE", "DEFAULT_PLACEMENT_TTL_S", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS", "ReplicaView",
-           "document_digest", "held_documents", "rendezvous_weight", "request_documents"]
+__all__ = ["ChunkRouting", "DEFAULT_BALANCE", "DEFAULT_PLACEMENT_TTL_S", "DEFAULT_SPILL_THRESHOLD", "ROUTED_PATHS",
+           "ReplicaView", "document_digest", "held_documents", "rendezvous_weight", "request_documents"]
