@@ -144,9 +144,11 @@ class ChunkRouting:
 
     def _within_bound(self, order: list[ReplicaView]) -> ReplicaView:
         """The first replica of the set's order whose recent load is within ``balance`` times an even share
-        (bounded loads); the first outright until a window's worth of requests is counted."""
+        (bounded loads); the first outright until half a window is counted (the decayed count reaches
+        ``LOAD_WINDOW / 2`` after ~44 requests): over fewer, a share says which sets came first, not load,
+        and a set asked twice among a few (ten sets, each twice) would move off the replica it went to."""
         total = sum(self._load.get(r.id, 0.0) for r in order)
-        if total < LOAD_WINDOW / 4:
+        if total < LOAD_WINDOW / 2:
             return order[0]
         cap = self.balance * total / len(order)
         return next((r for r in order if self._load.get(r.id, 0.0) <= cap), order[0])
