@@ -28,7 +28,7 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # collection: ~21 CPU s, ~14 once the bytecode is written). __pycache__ folders are gitignored.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
-.PHONY: install demo test test-fast bench gpu-check quality-model peers clean redis-server constraints audit
+.PHONY: install demo test test-fast lint bench gpu-check quality-model peers clean redis-server constraints audit
 
 install: $(STAMP)
 
@@ -78,6 +78,12 @@ test: $(STAMP) redis-server
 # Without the tests marked slow (real SmolLM2 weights, notebooks, the README install, the fault trial).
 test-fast: $(STAMP) redis-server
 	$(PYTEST) $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+# Lint and types, as pyproject's [tool.ruff] and [tool.mypy] choose them; .ci/run runs it before the tests.
+# mypy's first run here takes ~90 s (torch's and transformers' types), later ones seconds (.mypy_cache).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

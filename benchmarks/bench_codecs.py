@@ -19,6 +19,7 @@ Prints one JSON object:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         caches[name] = ChunkCache(engine, DiskKVStore(path), storage_dtype=codec, resident_bytes=0,
                                   auth_key=b"bench-codecs: a key of 32 bytes." if mac else None)
         written[name] = caches[name].warm(chunks).bytes_written / chunk_tokens
-        drop = (lambda p=path: drop_page_cache(p))
+        drop = functools.partial(drop_page_cache, path)
         modes[f"{name}@{args.ratio:g}"] = Mode(engine, stored, caches[name], drop)
     # Full reuse too: nothing is recomputed, so the codec's reading and expanding is most of the time.
     reuse = BlendConfig(recompute_ratio=0.0)

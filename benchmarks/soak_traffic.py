@@ -256,7 +256,7 @@ def _ask_llamaindex(llm: Any, turns: list[str], mode: str, begun: float) -> tupl
         response = llm.complete(turns[0])
         return time.monotonic() - begun, response.text, dict(response.additional_kwargs), False
     ttft, last = None, None
-    for last in llm.stream_complete(turns[0]):
+    for last in llm.stream_complete(turns[0]):  # noqa: B007 (the last chunk is read after the loop)
         ttft = ttft if ttft is not None else time.monotonic() - begun
     return ttft or time.monotonic() - begun, last.text if last else "", dict(last.additional_kwargs) if last else {}, False
 

@@ -25,11 +25,11 @@ ROWS = [  # label, TTFT median (s), how the chunks are treated
 ]
 
 
-def main(out: Path = Path(__file__).with_name("overview.png")) -> None:
+def main(out: Path = Path(__file__).with_name("overview.png")) -> None:  # noqa: B008 (a constant path)
     rng = np.random.default_rng(0)
     fig, ax = plt.subplots(figsize=(9, 2.9), dpi=120)
     width = LEAD + N_CHUNKS * CHUNK + QUESTION
-    for row, (label, ttft, kind) in enumerate(ROWS):
+    for row, (_label, ttft, kind) in enumerate(ROWS):
         y = len(ROWS) - 1 - row
         ax.barh(y, LEAD, left=0, color=COMPUTED if kind == "computed" else REUSED, edgecolor="white")
         for c in range(N_CHUNKS):

@@ -17,7 +17,8 @@ import collections
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import FrameType
+from typing import Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -42,7 +43,7 @@ def _holds_bool_tensor(value: Any) -> bool:
 
 def _call_site() -> str:
     """``file:line`` of the innermost frame of this package below the counter (else the innermost caller)."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     first = None
     while frame is not None:
         name = frame.f_code.co_filename

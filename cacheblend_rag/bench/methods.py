@@ -30,7 +30,7 @@ Result names are unambiguous: ``full_prefill``, ``prefix_caching``, ``full_reuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig

@@ -23,7 +23,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from cacheblend_rag.errors import ConfigError
 
@@ -61,7 +61,7 @@ def load_result(path: str | Path) -> dict[str, Any] | None:
     return document
 
 
-def check_resumable(previous: dict[str, Any], current: dict[str, Any], specs: list[dict[str, Any]] = ()) -> None:
+def check_resumable(previous: dict[str, Any], current: dict[str, Any], specs: Sequence[dict[str, Any]] = ()) -> None:
     """Raise a :class:`ConfigError` naming the first setting in which ``previous`` and ``current``
     (a document of this run, with no examples yet) differ. ``specs``: this run's methods
     (``MethodSpec.to_dict()``); a method of the same name in ``previous`` must agree on every field

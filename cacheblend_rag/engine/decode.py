@@ -338,7 +338,7 @@ class Decoding:
         if self._kv is not None:
             keys, values, lengths = self._kv.keys, self._kv.values, self._kv.lengths
         elif self.cache is not None:
-            keys, values = [l.keys for l in self.cache.layers], [l.values for l in self.cache.layers]
+            keys, values = [layer.keys for layer in self.cache.layers], [layer.values for layer in self.cache.layers]
             lengths = [k.shape[2] for k in keys]
         else:
             return [], [], []

@@ -53,7 +53,7 @@ class CachedKVSource(ABC):
         k, v = self.layer(index)
         return list(zip(torch.split(k, lengths, dim=1), torch.split(v, lengths, dim=1)))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a source without background work has nothing to release)
         """Release background work; called once the blend is done, also on error."""
 
 

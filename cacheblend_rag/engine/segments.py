@@ -17,7 +17,7 @@ def as_token_ids(values: Sequence[int], what: str = "token ids") -> tuple[int, .
     ids = tuple(values)
     if set(map(type, ids)) <= {int}:  # the common case, checked in C: a chat's prompt holds thousands
         return ids
-    out = []
+    out: list[int] = []
     for i, value in enumerate(ids):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise BlendInputError(f"{what}[{i}] is {value!r} ({type(value).__name__}); token ids are integers, "

@@ -48,7 +48,7 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
     # Larger random weights than the default init, so that attention is far from uniform
     # and blending mistakes show up in the logits.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     return model.to(dtype).eval()

@@ -93,7 +93,8 @@ def _call_of(value: Any, functions: Sequence[dict[str, Any]]) -> ToolCall:
 
 def _json_objects(text: str) -> list[Any]:
     """The JSON values ``text`` holds one after another, separated by whitespace or ``;``."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    decoder, at = json.JSONDecoder(), 0
+    values: list[Any] = []
     while True:
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
             at += 1
@@ -101,7 +102,7 @@ def _json_objects(text: str) -> list[Any]:
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError as error:
+        except json.JSONDecodeError as error:  # raw_decode's one error; a plain ValueError has no .msg
             raise _Malformed(f"not JSON from {text[at:at + 200]!r} ({error.msg})") from None
         values.append(value)
 

@@ -161,7 +161,7 @@ class KVStore(ABC):
     def clear(self) -> None:
         """Remove every entry and reset the counters."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a store holding nothing open has nothing to release)
         """Release files or connections. The store is unusable afterwards."""
 
     def describe(self) -> str:

@@ -30,7 +30,7 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore
 # register_store_scheme lives with the table a backend registers into (a leaf it can import); it is
 # imported here too because the docstring above, and callers, find it on the factory.
-from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_scheme
+from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_scheme  # noqa: F401
 from cacheblend_rag.store.urls import MASK, STORE_PASSWORD_ENV, is_masked, password_from_env, redact
 
 # scheme -> module that calls register_store_scheme(scheme, ...) when imported

@@ -105,6 +105,7 @@ class Tagger:
         return FLAG_MAC if self._key is not None else 0
 
     def tag(self, parts: Sequence[bytes | memoryview]) -> bytes:
+        h: Any  # an XXH3-128 or an HMAC: both take update() and give digest()
         if self._key is None:
             h = xxhash.xxh3_128()
         else:

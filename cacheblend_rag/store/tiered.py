@@ -73,7 +73,7 @@ class TieredKVStore(KVStore):
             if value is not None:
                 if _promotable(value):
                     for j in range(i):
-                        self._call(j, lambda t=self.tiers[j]: promote(t, value))
+                        self._call(j, lambda t=self.tiers[j], v=value: promote(t, v))
                 return value
         if not answered:
             raise StoreError(f"every tier of {self.describe()} failed to read")

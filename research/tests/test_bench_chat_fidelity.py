@@ -19,7 +19,7 @@ def test_bench_chat_fidelity_gives_each_turn_its_kl_and_tokens_for_a_setting(cha
             rows[factor] = fidelity.run(fidelity.parse_args([*common, "--options", options, "--out", str(out)]))
         refreshed = fidelity.run(fidelity.parse_args([*common, "--refresh", "--options", '{"min_blend_tokens": 0}']))
     assert len(out.read_text().splitlines()) == 6
-    for factor, turns in rows.items():
+    for _factor, turns in rows.items():
         assert [r["turn"] for r in turns] == [1, 2, 3] and all(r["kl"] >= 0 for r in turns)
         assert all(r["approximate_prefix_tokens"] > 0 for r in turns[1:]), turns
     # Behind the approximate history the new passages take three times the share; turn 1 has none.

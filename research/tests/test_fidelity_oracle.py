@@ -89,7 +89,7 @@ def test_the_local_key_correction_at_infinite_width_is_the_chunk_mean(oracle, se
         wide = blend(config)
     with oracle.local_key_correction(2.0):
         local = blend(config)
-    for a, b, c in zip(mean.cache.layers, wide.cache.layers, local.cache.layers):
+    for a, b, _c in zip(mean.cache.layers, wide.cache.layers, local.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
     assert any(not torch.allclose(a.keys, c.keys, atol=1e-4) for a, c in zip(mean.cache.layers, local.cache.layers))
 

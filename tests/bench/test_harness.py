@@ -70,7 +70,7 @@ def test_document_shape(document):
         assert set(example["methods"]) == set(methods)
         assert example["prompt_tokens"] > sum(example["chunk_tokens"]) > 0
         assert set(example["precompute_s"]) == {"plain", "prefix"}
-        for name, outcome in example["methods"].items():
+        for outcome in example["methods"].values():
             assert set(outcome) == EXAMPLE_METHOD_KEYS
             assert len(outcome["ttft_s"]) == 2
             assert (outcome["cold_ttft_s"] is not None) == (example["index"] == 0)

@@ -334,7 +334,7 @@ def test_a_prompt_cached_up_to_its_question_computes_only_the_rest(arch):
     _, _, question, full_ids = prompt(engine)
     full = engine.full_prefill(full_ids)
     cache = PrefixCache(1 << 24, block_size=16)
-    cache.insert(full_ids, [l.keys for l in full.cache.layers], [l.values for l in full.cache.layers],
+    cache.insert(full_ids, [layer.keys for layer in full.cache.layers], [layer.values for layer in full.cache.layers],
                  engine.fingerprint)
     new_turn = full_ids + question
     hit = cache.match(new_turn, engine.fingerprint)
@@ -363,7 +363,7 @@ def second_turn(engine):
                          config=BlendConfig(recompute_ratio=0.15))
     exact_kv = turn1.stats.exact_kv_tokens
     assert exact_kv == len(lead) < len(full_ids)
-    keys, values = [l.keys for l in turn1.cache.layers], [l.values for l in turn1.cache.layers]
+    keys, values = [layer.keys for layer in turn1.cache.layers], [layer.values for layer in turn1.cache.layers]
     cache = PrefixCache(1 << 24, block_size=16)
     cache.insert(full_ids[:exact_kv], keys, values, engine.fingerprint)
     cache.insert(full_ids, keys, values, engine.fingerprint, approximate=True)

@@ -26,7 +26,7 @@ def test_two_workers_warm_each_chunk_exactly_once(engine, redis_server, redis_ur
     outputs = [results.get(timeout=600) for _ in workers]
     for w in workers:
         w.join(timeout=60)
-    for shard, code, out, error in outputs:
+    for _shard, code, out, error in outputs:
         assert error is None, error
         assert code == 0 and out["failed"] == 0 and out["corpus_chunks"] == 10
         assert out["new"] == out["chunks"] > 0  # each worker computed its own shard, nothing else

@@ -121,7 +121,7 @@ def test_metadata_comes_from_the_server_and_the_key_stays_out(llm: CacheBlendLLM
     assert "api_key" not in llm.to_dict() and llm.to_dict()["base_url"] == server
     assert llm.config_source == f"server: {server}"  # the server's setting, which each response names
     with pytest.raises(ValueError, match=r"tokenizer_fn .* answers through the server at .*AutoTokenizer"):
-        llm.tokenizer_fn
+        _ = llm.tokenizer_fn
     # Pickled (IngestionPipeline's workers), it is a client of the same server, with its key.
     assert pickle.loads(pickle.dumps(llm)).complete("Hello").additional_kwargs["prompt_tokens"] > 0
 

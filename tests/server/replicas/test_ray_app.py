@@ -146,7 +146,7 @@ def test_a_killed_replica_fails_only_its_own_streams_and_comes_back_with_the_sto
         time.sleep(1)
     lost = [n for n, r in enumerate(results) if r in failed]
     for n in lost:
-        for attempt in range(60):
+        for _attempt in range(60):
             response = httpx.post(f"{ray_server.url}/v1/chat/completions", timeout=120, json={
                 "messages": [{"role": "user", "content": "Again?"}], "documents": sets[n], "max_tokens": 2})
             if response.status_code == 200:

@@ -115,7 +115,7 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         return "CacheBlendLLM"
 
     def _validate_settings(self) -> None:
-        self.generation_config  # a bad value fails here, before the model is loaded
+        _ = self.generation_config  # a bad value fails here, before the model is loaded
 
     @field_validator("context_window")
     @classmethod
