@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag.models.dtype_choice import cpu_model_name
+from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 
 import soak_report
 from soak_env import DEFAULT_DATA, TMPFS_BYTES, disk_full, healthy_keys, load_corpus, start_env
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
     warmup_end, phases = schedule(args.minutes, args.seed)
-    env = start_env(args.max_new_tokens)
+    env = start_env(args.max_new_tokens, args.model)
     warm_job = None
     try:
         engine = env.chunk_cache.engine
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_before = len(healthy_keys(env, env.store.tiers[-1]))
         reference, disagree_alone = _control_prompts(env, corpus, args.control_prompts)
         dtype = str(engine.dtype).removeprefix("torch.")
-        warm_job = WarmJob(env.disk_path / "kv", env.redis.url(), corpus.job, env.chunk_cache.prefix_ids, dtype)
+        warm_job = WarmJob(env.disk_path / "kv", env.redis.url(), corpus.job, env.chunk_cache.prefix_ids, dtype,
+                           args.model)
         warm_job.wait_ready()
         ledger = _observe_blends(env.chunk_cache)
         counters_before = env.store.counters()
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         "clear_errors", "hangs", "control_compared", "control_equal")}
         report: dict[str, Any] = {
             "benchmark": "soak",
-            "settings": {"minutes": args.minutes, "seed": args.seed, "rate_per_s": args.rate,
+            "settings": {"minutes": args.minutes, "seed": args.seed, "model": args.model, "rate_per_s": args.rate,
                          "deadline_s": args.deadline, "max_new_tokens": args.max_new_tokens,
                          "questions": args.questions, "passages": args.passages,
                          "passage_tokens": args.passage_tokens, "control_candidates": args.control_prompts,
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="how long traffic runs (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="the fault order and times, the clients' choices")
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="served to both frameworks (tiny-llama: a smoke run)")
     parser.add_argument("--out", type=Path, default=Path("soak.json"), help="the report; the PNG goes beside it")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second over all 16 clients")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds after which a request is a hang")

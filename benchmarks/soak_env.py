@@ -108,9 +108,10 @@ class SoakEnv:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_env(max_new_tokens: int) -> SoakEnv:
+def start_env(max_new_tokens: int, model: str | None = None) -> SoakEnv:
     """Redis, the disk tier, the tiered store and four LLM objects on one engine: LangChain and LlamaIndex at
-    the default blend, and the control stream's pair (ratio 1.0, and full prefill with reuse off)."""
+    the default blend, and the control stream's pair (ratio 1.0, and full prefill with reuse off); ``model``: the
+    embedded one unless named (``tiny-llama``: a smoke run)."""
     from langchain_cacheblend import ChatCacheBlend
     from llama_index.llms.cacheblend import CacheBlendLLM
 
@@ -126,7 +127,7 @@ def start_env(max_new_tokens: int) -> SoakEnv:
     # memory and no fault of Redis or of the disk would reach a request.
     env = SoakEnv(root, redis, disk_path, tmpfs, disk, TieredKVStore(disk, remote))
     caches = dict(prefix_cache_bytes=PREFIX_CACHE_BYTES, segment_cache_bytes=SEGMENT_CACHE_BYTES)
-    first = CacheBlendLLM(store_path=None, max_new_tokens=max_new_tokens, temperature=0.0, **caches)
+    first = CacheBlendLLM(model=model, store_path=None, max_new_tokens=max_new_tokens, temperature=0.0, **caches)
     engine = first.engine
     from cacheblend_rag.serving.registry import chunk_cache_for
 

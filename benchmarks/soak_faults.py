@@ -170,10 +170,11 @@ class WarmJob:
     """A second process that warms chunks into the same disk tier and Redis, started early (it loads the model)
     and told to begin at its fault; killed with SIGKILL between its first chunk and its last."""
 
-    def __init__(self, disk: Path, redis_url: str, texts: list[str], prefix_ids: tuple[int, ...], dtype: str) -> None:
+    def __init__(self, disk: Path, redis_url: str, texts: list[str], prefix_ids: tuple[int, ...], dtype: str,
+                 model: str) -> None:
         self.child = subprocess.Popen(
             [sys.executable, __file__, "warm-job", str(disk), redis_url, json.dumps(texts), json.dumps(prefix_ids),
-             dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             dtype, model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def wait_ready(self) -> None:
         """Wait for the job to load its model (before the soak's clock starts: it takes a core for seconds)."""
@@ -204,18 +205,17 @@ class WarmJob:
                 stream.close()
 
 
-def _warm_job(disk: str, redis_url: str, texts: str, prefix_ids: str, dtype: str) -> None:
+def _warm_job(disk: str, redis_url: str, texts: str, prefix_ids: str, dtype: str, model: str) -> None:
     """The warm job's process: loads the model, waits for "go", then warms one chunk at a time, saying so."""
     import torch
 
     torch.set_num_threads(1)
     from cacheblend_rag.serving.registry import shared_engine
-    from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
     from cacheblend_rag.store import ChunkCache, DiskKVStore
     from cacheblend_rag.store.redis_store import RedisKVStore
     from cacheblend_rag.store.tiered import TieredKVStore
 
-    engine = shared_engine(DEFAULT_MODEL_NAME, dtype=dtype)
+    engine = shared_engine(model, dtype=dtype)
     store = TieredKVStore(DiskKVStore(disk), RedisKVStore(redis_url))
     cache = ChunkCache(engine, store, prefix_ids=json.loads(prefix_ids))
     print("ready", flush=True)
@@ -227,4 +227,4 @@ def _warm_job(disk: str, redis_url: str, texts: str, prefix_ids: str, dtype: str
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["warm-job"]:
-    _warm_job(*sys.argv[2:7])
+    _warm_job(*sys.argv[2:8])
