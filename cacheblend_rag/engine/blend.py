@@ -281,8 +281,15 @@ class CacheBlendEngine:
                 return self._fall_back(segs, started, reason)
             # An exact prefix costs nothing to reuse: only what follows it is computed, as full prefill would.
             segs = fresh_after_exact(segs, exact)
-        if cfg.gate and not gate.passed(self, cfg):
-            return self._fall_back(segs, started, "correctness gate failed for this model")
+        gate_s = 0.0  # the gate's one-time cost, said in the timings of the blend that paid it
+        if cfg.gate:
+            gate_started, first = time.perf_counter(), gate.pending(self)
+            ok = gate.passed(self, cfg)
+            gate_s = time.perf_counter() - gate_started if first else 0.0
+            if not ok:
+                result = self._fall_back(segs, started, "correctness gate failed for this model")
+                result.stats.timings["gate"] = gate_s
+                return result
         strategy, check_layer = self.plan(cfg)
         # The store reads ahead from the first layer the blend reads: 0 when a profile or full reuse
         # reads every layer, or a long exact prefix read from it is left out of the early layers,
@@ -302,6 +309,8 @@ class CacheBlendEngine:
             source.close()
         # A chunk is a hit only if its stored KV was used: one recomputed after a failed load is not.
         stats = result.stats
+        if gate_s:
+            stats.timings["gate"] = gate_s
         stats.fallback_reason = reason
         stats.load_failures = source.load_failures
         stats.cache_hits, stats.cache_misses = hits - stats.load_failures, misses

@@ -58,13 +58,22 @@ def tolerance(engine: GatedModel, cfg: BlendConfig) -> float:
     return 1e-3 if engine.dtype == torch.float32 else 5e-2
 
 
+def pending(engine: GatedModel) -> bool:
+    """Whether this process has not yet run the gate for ``engine``'s model and device (its next blend will)."""
+    return (engine.fingerprint, f"{engine.device}") not in RESULTS
+
+
+def remember(engine: GatedModel, outcome: tuple[bool, float]) -> tuple[bool, float]:
+    """Keep ``outcome`` (of ``engine.run_gate``) as this process's gate result for its model and device."""
+    RESULTS[(engine.fingerprint, f"{engine.device}")] = outcome
+    return outcome
+
+
 def passed(engine: GatedModel, cfg: BlendConfig) -> bool:
     """Whether ``engine`` may blend. A failed gate raises :class:`CorrectnessGateError`, or, with
     ``cfg.fallback_to_full_prefill``, logs a warning and returns ``False``."""
     key = (engine.fingerprint, f"{engine.device}")
-    if key not in RESULTS:
-        RESULTS[key] = engine.run_gate(cfg)
-    ok, err = RESULTS[key]
+    ok, err = RESULTS[key] if key in RESULTS else remember(engine, engine.run_gate(cfg))
     if ok:
         return True
     message = (
@@ -84,8 +93,17 @@ def run(engine: GatedModel, cfg: BlendConfig, check_layer: int) -> tuple[bool, f
     ids = [(17 + 7919 * i) % vocab for i in range(48)]
     prefix, chunk_a, chunk_b, suffix = ids[:6], ids[6:22], ids[22:40], ids[40:]
     chunks = engine.prefill_chunks([chunk_a, chunk_b])
-    exact = BlendConfig(recompute_ratio=1.0, check_layer=min(check_layer, engine.num_layers - 1), gate=False)
-    blended = engine.blend([prefix, chunks[0], chunks[1], suffix], config=exact).logits.float()
+    # min_blend_tokens=0: the prompt's 34 cached tokens are fewer than an engine's default 128, under which a
+    # blend falls back to full prefill, and the gate would compare full prefill with itself (it did: a broken
+    # layer passed with error 0.0 on every model loaded with the default).
+    exact = BlendConfig(recompute_ratio=1.0, check_layer=min(check_layer, engine.num_layers - 1), gate=False,
+                        min_blend_tokens=0)
+    result = engine.blend([prefix, chunks[0], chunks[1], suffix], config=exact)
+    if result.stats.mode == "full_prefill":  # nothing blended, nothing checked: a failed gate, not a pass
+        logger.warning("correctness gate for %s: its blend fell back to full prefill (%s)", engine.model_name,
+                       result.stats.fallback_reason)
+        return False, float("inf")
+    blended = result.logits.float()
     reference = engine.full_prefill(ids).logits.float()
     err = float((blended - reference).abs().max() / reference.abs().max().clamp(min=1.0))
     ok = err <= tolerance(engine, cfg)

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
+from cacheblend_rag.engine import gate
 from cacheblend_rag.engine.text import checked_text
 from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens
 from cacheblend_rag.server.options import ServerConfig
@@ -79,11 +80,20 @@ class ServerState:
     @staticmethod
     def _warm_up(settings: CacheBlendSettings) -> None:
         """One one-token request by full prefill (nothing cached): the model, the scheduler and the sampler
-        all work before the first client's request."""
+        all work before the first client's request. Then the correctness gate, which the first blend would
+        otherwise pay (1 s on SmolLM2 here, more on larger models): its outcome is logged, a failure is the
+        blends' to report (an error, or full prefill where the setting falls back)."""
         turn = ChatTurn(generation=settings.generation_config_with(1, None, {}),
                         messages=[{"role": "user", "content": "Hello"}], reuse=False)
         for _ in run_turn(settings, turn):
             pass
+        engine, config = settings.service.engine, settings.blend_config
+        if config.gate and engine.adapter is not None and gate.pending(engine):
+            started = time.perf_counter()
+            # On the scheduler's worker, as every other use of the model; remembered as a blend's gate would be.
+            ok, err = settings.service.scheduler.call(lambda: gate.remember(engine, engine.run_gate(config)))
+            logger.info("correctness gate: blending at ratio 1.0 %s full prefill (relative error %.2g) in %.1f s",
+                        "matches" if ok else "DIFFERS FROM", err, time.perf_counter() - started)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> bool:
         """Wait for the load thread (at shutdown: the scheduler is closed only once it exists)."""

@@ -7,6 +7,7 @@ import torch
 
 from cacheblend_rag import BlendConfig, CorrectnessGateError
 from cacheblend_rag.engine import gate
+from cacheblend_rag.engine.blend import DEFAULT_MIN_BLEND_TOKENS
 from cacheblend_rag.testing import tiny_engine
 
 
@@ -37,6 +38,16 @@ def test_gate_failure_refuses_to_blend():
     _break_layer(engine)
     with pytest.raises(CorrectnessGateError, match="fallback_to_full_prefill=True"):
         engine.blend(_prompt(engine))
+
+
+def test_gate_blends_even_when_the_engine_falls_back_on_short_prompts():
+    """A real engine's default min_blend_tokens (128) is above the gate's 34 cached tokens: the gate's own blend
+    must not fall back to full prefill, or it compares full prefill with itself and a broken layer passes."""
+    engine = tiny_engine("llama", seed=104)
+    engine.min_blend_tokens = DEFAULT_MIN_BLEND_TOKENS
+    _break_layer(engine)
+    ok, err = engine.run_gate(BlendConfig())
+    assert not ok and err > 1e-3
 
 
 def test_gate_failure_falls_back_to_full_prefill_when_configured():
@@ -138,3 +149,10 @@ def test_full_prefill_is_blend_with_only_fresh_segments(engine):
     blended = engine.blend([ids[:5], ids[5:]])
     assert blended.stats.mode == "full_prefill"
     torch.testing.assert_close(blended.logits, engine.full_prefill(ids).logits)
+
+
+def test_the_blend_that_runs_the_gate_says_what_it_cost_and_later_blends_do_not():
+    engine = tiny_engine("llama", seed=105)
+    first, second = engine.blend(_prompt(engine)), engine.blend(_prompt(engine))
+    assert 0 < first.stats.timings["gate"] < first.stats.timings["total"]
+    assert "gate" not in second.stats.timings
