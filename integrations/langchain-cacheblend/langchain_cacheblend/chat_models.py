@@ -287,14 +287,16 @@ class ChatCacheBlend(BaseChatModel, CacheBlendSettings):
         """Stop looking for any announced chunk text (cached KV stays in the chunk cache)."""
         self.announced.clear()
 
-    def warm(self, items: Iterable[str | Document], *, show_progress: bool = True,
+    def warm(self, items: Iterable[str | Document], *, announce: bool = True, show_progress: bool = True,
              for_request: bool = False) -> WarmSummary:
-        """Precompute the KV of chunks not yet cached (against a server: in its store), and announce them all.
-        ``for_request`` (the retriever's at query time): the coming call's stats count the chunks computed
-        here as ``precomputed_for_request`` rather than as store hits (in process)."""
+        """Precompute the KV of chunks not yet cached (against a server: in its store), and announce them all
+        (``announce=False``: only store them). ``for_request`` (the retriever's at query time): the coming call's
+        stats count the chunks computed here as ``precomputed_for_request`` rather than as store hits (in
+        process). LlamaIndex's ``CacheBlendLLM.warm`` is the same."""
         texts = texts_of(items)
         summary = self.precompute_texts(texts, show_progress=show_progress, for_request=for_request)
-        self.announce_chunks(texts)
+        if announce:
+            self.announce_chunks(texts)
         return summary
 
     def _announce_tool_results(self, messages: Sequence[BaseMessage]) -> None:

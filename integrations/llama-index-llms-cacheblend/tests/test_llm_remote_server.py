@@ -44,7 +44,7 @@ def test_complete_chat_and_streams_carry_the_servers_stats(llm: CacheBlendLLM) -
     assert completion.text and completion.additional_kwargs["prompt_tokens"] > 0
     assert completion.raw["usage"]["completion_tokens"] > 0
     assert "cached_tokens" in completion.raw["usage"]["prompt_tokens_details"]
-    assert llm.last_stats == completion.additional_kwargs and llm.last_prompt == "Name the capital of France."
+    assert llm.last_stats == completion.additional_kwargs["cacheblend"] and llm.last_prompt == "Name the capital of France."
 
     chat = llm.chat(QUESTION)
     assert chat.message.role == "assistant" and chat.additional_kwargs["mode"]

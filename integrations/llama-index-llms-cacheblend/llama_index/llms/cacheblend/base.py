@@ -13,6 +13,8 @@ full prefill, and the stats say so. Each response carries the stats in ``additio
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.llms.types import (
@@ -43,7 +45,7 @@ from llama_index.llms.cacheblend._chat_turns import chat_dicts
 
 _CALL_OPTIONS = frozenset({"max_new_tokens", "max_tokens", "stop", *SAMPLING_FIELDS, *BLEND_FIELDS, "tools",
                            "tool_choice", "tool_required", "allow_parallel_tool_calls", "response_format",
-                           "generate_kwargs", "cache_salt"})
+                           "generate_kwargs", "cache_salt", "timeout"})
 
 
 class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
@@ -72,6 +74,10 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
     # --- generation (with the sampling fields shared with LangChain; each call may override them)
     max_new_tokens: int = Field(default=256, description="Most tokens generated per answer.")
     stop: List[str] = Field(default_factory=list, description="Strings that end the answer.")
+    timeout: Optional[float] = Field(
+        default=None, description="Seconds one call may take, from its submission to its answer's end; a longer call "
+        "raises TimeoutError (as ChatCacheBlend's timeout; each call may pass its own)."
+    )
 
     # --- LlamaIndex behaviour
     context_window: Optional[int] = Field(
@@ -116,6 +122,8 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
 
     def _validate_settings(self) -> None:
         _ = self.generation_config  # a bad value fails here, before the model is loaded
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, or None")
 
     @field_validator("context_window")
     @classmethod
@@ -191,11 +199,25 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         """Drop every announced chunk text (the stored KV stays)."""
         self.announced.clear()
 
+    def warm(self, items: Sequence[Any], *, announce: bool = True, show_progress: bool = False,
+             for_request: bool = False) -> Any:
+        """Compute and store the KV of each chunk that the store lacks (the server's, with ``base_url``), and
+        announce them (``announce=False``: only store them, as ingestion does); returns the store's summary.
+        ``items``: texts, or nodes and documents (their content as the LLM sees it). ``for_request`` (the
+        postprocessor's): computed for the coming query, whose stats count those chunks as
+        ``precomputed_for_request`` rather than as store hits. LangChain's ``ChatCacheBlend.warm`` is the same."""
+        texts = [_chunk_text(item) for item in items]
+        summary = self.precompute_texts(texts, show_progress=show_progress, for_request=for_request)
+        if announce:
+            self.announce_chunks(texts)
+        return summary
+
     def precompute(self, texts: Sequence[str], *, show_progress: bool = False, for_request: bool = False) -> Any:
-        """Compute and store the KV of each chunk text that the store lacks (the server's, with ``base_url``);
-        returns the store's summary. ``for_request`` (the postprocessor's): computed for the coming query,
-        whose stats count those chunks as ``precomputed_for_request`` rather than as store hits."""
-        return self.precompute_texts(list(texts), show_progress=show_progress, for_request=for_request)
+        """Deprecated: ``warm(texts, announce=False)``, the name both integrations share."""
+        warnings.warn("CacheBlendLLM.precompute() is deprecated; call warm() (the name LangChain's ChatCacheBlend "
+                      "shares), with announce=False for precompute()'s behaviour of storing without announcing",
+                      DeprecationWarning, stacklevel=2)
+        return self.warm(texts, announce=False, show_progress=show_progress, for_request=for_request)
 
     # ------------------------------------------------------------ turns
     def _chat_turn(self, messages: Sequence[ChatMessage], kwargs: Dict[str, Any]) -> ChatTurn:
@@ -238,7 +260,8 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
                         tool_choice=_tool_choice(kwargs), response_format=kwargs.get("response_format"),
                         parallel_tool_calls=kwargs.get("allow_parallel_tool_calls", True),
                         blend_options={k: kwargs[k] for k in BLEND_FIELDS if k in kwargs},
-                        cache_salt=kwargs.get("cache_salt"), **conversation)  # None: the object's (run_turn)
+                        cache_salt=kwargs.get("cache_salt"), timeout=kwargs.get("timeout", self.timeout),
+                        **conversation)  # cache_salt None: the object's (run_turn)
 
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
@@ -327,7 +350,10 @@ class CacheBlendLLM(FunctionCallingLLM, CacheBlendSettings):
         usage = {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
                  "total_tokens": end.prompt_tokens + end.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
-        return end.stats, {"stats": end.stats, "prompt": prompt, "token_ids": list(end.token_ids), "usage": usage}
+        # The stats flat (LlamaIndex's place for a response's extras) and under "cacheblend", the key LangChain's
+        # response_metadata and a server's responses use, so code reading one integration reads the other.
+        extra = {**end.stats, "cacheblend": end.stats}
+        return extra, {"stats": end.stats, "prompt": prompt, "token_ids": list(end.token_ids), "usage": usage}
 
     # ------------------------------------------------------ LlamaIndex API
     @llm_completion_callback()
@@ -411,3 +437,15 @@ def _answer_message(reasoning: str, text: str, calls: Sequence[ToolCall]) -> Cha
 
 
 __all__ = ["CacheBlendLLM"]
+
+
+def _chunk_text(item: Any) -> str:
+    """A chunk's text: a string as is, a node or document as the LLM reads it (its metadata for the LLM)."""
+    if isinstance(item, str):
+        return item
+    get_content = getattr(item, "get_content", None)
+    if get_content is None:
+        raise TypeError(f"warm() takes texts, nodes or documents, not {type(item).__name__}")
+    from llama_index.core.schema import MetadataMode
+
+    return get_content(metadata_mode=MetadataMode.LLM)

@@ -42,5 +42,5 @@ class CacheBlendNodePostprocessor(BaseNodePostprocessor):
         texts = [node_chunk_text(n.node, self.metadata_mode) for n in nodes]
         self.llm.announce_chunks(texts)
         if self.precompute_missing:
-            self.llm.precompute(texts, show_progress=self.show_progress, for_request=True)
+            self.llm.warm(texts, announce=False, show_progress=self.show_progress, for_request=True)
         return list(nodes)

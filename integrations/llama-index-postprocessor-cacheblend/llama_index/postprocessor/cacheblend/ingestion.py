@@ -54,7 +54,7 @@ class CacheBlendKVPrecompute(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         show_progress = bool(kwargs.get("show_progress", self.show_progress))
-        self.llm.precompute([node_chunk_text(n, self.metadata_mode) for n in nodes], show_progress=show_progress)
+        self.llm.warm([node_chunk_text(n, self.metadata_mode) for n in nodes], announce=False, show_progress=show_progress)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
