@@ -8,7 +8,7 @@ import logging
 import sys
 
 # Modules exposing ``register(subparsers)``; each adds its own sub-commands.
-COMMAND_MODULES = ("cacheblend_rag.store.commands", "cacheblend_rag.bench.commands", "cacheblend_rag.models.commands",
+COMMAND_MODULES = ("cacheblend_rag.store_commands", "cacheblend_rag.bench.commands", "cacheblend_rag.models.commands",
                    "cacheblend_rag.bench.calibrate_commands", "cacheblend_rag.server.commands")
 
 

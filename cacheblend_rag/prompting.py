@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
+from cacheblend_rag.kv.segments import FreshSegment, Segment, StoredSegment
 from cacheblend_rag.engine.text import checked_text, document_ids
 
 

@@ -36,7 +36,7 @@ from cacheblend_rag.bench.metrics import token_kl
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.data import DemoQuestion, load_demo_corpus, load_demo_questions
 from cacheblend_rag.engine.prefix_cache import PrefixCache
-from cacheblend_rag.engine.segments import PrefixSegment
+from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.prompting import chunk_text, default_conditioning_prefix
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
 from cacheblend_rag.serving.segment_cache import SegmentCache

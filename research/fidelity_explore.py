@@ -49,7 +49,7 @@ from cacheblend_rag.store.disk import DiskKVStore
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment
+from cacheblend_rag.kv.segments import CachedSegment, ChunkKV, FreshSegment
 from cacheblend_rag.engine.selection import (ProfileRequest, SelectionContext, SelectionNeeds, SelectionStrategy,
                                              register_strategy, top_indices)
 

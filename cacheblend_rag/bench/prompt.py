@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from cacheblend_rag.engine.segments import FreshSegment, Segment, StoredSegment
+from cacheblend_rag.kv.segments import FreshSegment, Segment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.prompting import STAND_IN_PASSAGE, split_prompt
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.segments import Segment
+from cacheblend_rag.kv.segments import Segment
 
 
 @dataclass

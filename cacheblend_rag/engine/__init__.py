@@ -2,10 +2,10 @@
 
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
-from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource, KVSourceProvider
+from cacheblend_rag.kv.source import CachedKVSource, InMemoryKVSource, KVSourceProvider
 from cacheblend_rag.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, StoredSegment
+from cacheblend_rag.kv.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, StoredSegment
 from cacheblend_rag.engine.selection import (
     SelectionStrategy,
     available_strategies,

@@ -28,11 +28,11 @@ from cacheblend_rag.engine.blend_run import SKIP_EXACT_PREFIX_SHARE, BlendRun
 from cacheblend_rag.engine.calibrated import (CalibratedSetting, CalibrationLookup, WeightsKey, describe_config,
                                               find_calibration)
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
-from cacheblend_rag.engine.kv_source import KVSourceProvider, open_cached_source
+from cacheblend_rag.kv.source import KVSourceProvider, open_cached_source
 from cacheblend_rag.engine.layout import PromptLayout, exact_prefix_length, fresh_after_exact, split_approximate_prefix
 from cacheblend_rag.engine.precompute import precompute_chunks
 from cacheblend_rag.engine.results import BlendResult, BlendStats
-from cacheblend_rag.engine.segments import ChunkKV, FreshSegment, PrefixSegment, Segment, SegmentLike, as_token_ids
+from cacheblend_rag.kv.segments import ChunkKV, FreshSegment, PrefixSegment, Segment, SegmentLike, as_token_ids
 from cacheblend_rag.engine.selection import SelectionStrategy, build_strategy
 from cacheblend_rag.engine.text import token_ids
 from cacheblend_rag.engine.validation import validate_segments

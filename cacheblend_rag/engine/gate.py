@@ -15,7 +15,7 @@ import torch
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.results import BlendResult
-from cacheblend_rag.engine.segments import ChunkKV, SegmentLike
+from cacheblend_rag.kv.segments import ChunkKV, SegmentLike
 from cacheblend_rag.errors import CorrectnessGateError
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine.decode import Decoding, DecodingModel, decode_logits
-from cacheblend_rag.engine.kv_source import KVSourceProvider
+from cacheblend_rag.kv.source import KVSourceProvider
 from cacheblend_rag.engine.results import BlendResult, GenerationResult
 from cacheblend_rag.engine.sampling import TokenSampler
-from cacheblend_rag.engine.segments import SegmentLike
+from cacheblend_rag.kv.segments import SegmentLike
 from cacheblend_rag.errors import BlendInputError
 
 R = TypeVar("R")

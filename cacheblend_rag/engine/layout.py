@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from cacheblend_rag.engine.kv_source import CachedKVSource
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment
+from cacheblend_rag.kv.source import CachedKVSource
+from cacheblend_rag.kv.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment
 from cacheblend_rag.models.adapters import DecoderAdapter
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from cacheblend_rag.engine.attention import causal_attention
-from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.kv.segments import ChunkKV
 from cacheblend_rag.errors import BlendInputError
 from cacheblend_rag.models.adapters import DecoderAdapter
 

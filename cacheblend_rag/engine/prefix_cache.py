@@ -75,7 +75,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from cacheblend_rag.engine.segments import PrefixSegment
+from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.errors import ConfigError
 
 _DOMAIN = b"cacheblend-rag/prefix-block\x00"

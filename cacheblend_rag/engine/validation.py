@@ -11,7 +11,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import (
+from cacheblend_rag.kv.segments import (
     CachedSegment,
     ChunkKV,
     FreshSegment,

@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
-from cacheblend_rag.engine.segments import Segment, StoredSegment
+from cacheblend_rag.kv.segments import Segment, StoredSegment
 from cacheblend_rag.prompting import chunk_texts
 
 

@@ -7,7 +7,7 @@ after the chunks. Those tokens sit behind this request's chunks, so they are no 
 prefix cache cannot hold them; but their K/V from the request that last computed them is a fair
 stand-in, computed behind another request's context, exactly as a chunk's K/V is computed behind a
 conditioning prefix. :class:`SegmentCache` keeps it and a later prompt's span that opens with the
-same tokens becomes a :class:`~cacheblend_rag.engine.segments.CachedSegment` (marked
+same tokens becomes a :class:`~cacheblend_rag.kv.segments.CachedSegment` (marked
 ``approximate``, so it is never taken for an exact prefix), blended with the chunks.
 
 Spans are kept per cache salt (a request's ``cache_salt``, ``""`` for none): a span's K/V attended to
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.kv.segments import ChunkKV
 from cacheblend_rag.errors import ConfigError
 
 DEFAULT_MIN_TOKENS = 16

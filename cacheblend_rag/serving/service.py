@@ -42,7 +42,7 @@ from cacheblend_rag.engine.decode import Decoding
 from cacheblend_rag.engine.generate import start_decoding
 from cacheblend_rag.engine.layout import unrotated_keys
 from cacheblend_rag.engine.prefix_cache import PrefixCache
-from cacheblend_rag.engine.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
+from cacheblend_rag.kv.segments import CachedSegment, PrefixSegment, Segment, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.engine.text import checked_special_tokens
 from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens, split_prompt, to_segments_in_context

@@ -54,8 +54,8 @@ from typing import Any, Sequence
 
 import torch
 
-from cacheblend_rag.engine.kv_source import CachedKVSource, InMemoryKVSource
-from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
+from cacheblend_rag.kv.source import CachedKVSource, InMemoryKVSource
+from cacheblend_rag.kv.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store.base import KVStore, StoreStats
 from cacheblend_rag.store.chunk_io import ChunkStoreIO

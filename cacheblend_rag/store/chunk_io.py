@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.kv.segments import ChunkKV
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import Codec, float_codec
 from cacheblend_rag.store.entries import EntryRules

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cacheblend_rag.engine.kv_source import CachedKVSource
-from cacheblend_rag.engine.segments import ChunkKV, StoredSegment
+from cacheblend_rag.kv.source import CachedKVSource
+from cacheblend_rag.kv.segments import ChunkKV, StoredSegment
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import PackedLayer, codec_for_name, staged
 from cacheblend_rag.store.entries import EntryRules, MissingLayerError

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import ChunkKV
+from cacheblend_rag.kv.segments import ChunkKV
 from cacheblend_rag.store.chunk_cache import ChunkCache
 from cacheblend_rag.store.codec import codec_for_name
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError

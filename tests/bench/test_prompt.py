@@ -14,7 +14,7 @@ from cacheblend_rag.bench.prompt import (
     load_musique,
     passage_text,
 )
-from cacheblend_rag.engine.segments import FreshSegment, StoredSegment
+from cacheblend_rag.kv.segments import FreshSegment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.testing import tiny_tokenizer
 from cacheblend_rag.prompting import STAND_IN_PASSAGE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
+from cacheblend_rag.kv.segments import CachedSegment, FreshSegment
 from cacheblend_rag.testing import tiny_engine
 
 

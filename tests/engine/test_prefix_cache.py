@@ -7,7 +7,7 @@ import torch
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
 from cacheblend_rag.engine.prefix_cache import PrefixCache, block_keys
-from cacheblend_rag.engine.segments import PrefixSegment
+from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.engine.selection import selection_budget
 from cacheblend_rag.errors import BlendInputError, ChunkMismatchError, ConfigError
 from cacheblend_rag.testing import tiny_engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.segments import CachedSegment, FreshSegment
+from cacheblend_rag.kv.segments import CachedSegment, FreshSegment
 from cacheblend_rag.engine.selection import selection_budget
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.testing import tiny_engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.engine.segments import StoredSegment
+from cacheblend_rag.kv.segments import StoredSegment
 from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, run_turn
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.engine.segments import StoredSegment
+from cacheblend_rag.kv.segments import StoredSegment
 from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, TurnEnd, run_turn
 from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_tiers
 from cacheblend_rag.store import ChunkCache, MemoryKVStore

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.engine.segments import StoredSegment
+from cacheblend_rag.kv.segments import StoredSegment
 from cacheblend_rag.engine.text import document_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.prompting import prompt_ids, split_prompt, to_segments_in_context

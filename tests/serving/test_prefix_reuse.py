@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from cacheblend_rag import BlendConfig, GenerationConfig
 from cacheblend_rag.engine.prefix_cache import PrefixCache
-from cacheblend_rag.engine.segments import PrefixSegment
+from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
 from cacheblend_rag.store.format import peek_manifest
@@ -434,7 +434,7 @@ def test_an_approximate_prefix_is_cut_back_to_a_chunk_or_span_it_would_end_insid
     """Approximate blocks of one prompt that reach a few tokens into another prompt's chunk (two chunks
     that open alike), or into its history after the chunks where the segment cache holds more of it,
     end where that chunk or span starts: the chunk is blended whole, the span comes from the segment cache."""
-    from cacheblend_rag.engine.segments import CachedSegment, StoredSegment
+    from cacheblend_rag.kv.segments import CachedSegment, StoredSegment
     from cacheblend_rag.serving.segment_cache import SegmentCache
 
     alike = "Marie Curie was born in Warsaw, the capital of Poland, and moved to Paris to study physics."

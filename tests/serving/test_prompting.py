@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cacheblend_rag.engine.segments import FreshSegment, StoredSegment
+from cacheblend_rag.kv.segments import FreshSegment, StoredSegment
 from cacheblend_rag.prompting import split_prompt, to_segments, to_segments_in_context
 from cacheblend_rag.testing import tiny_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag.cli import main
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.commands import read_chunks
+from cacheblend_rag.store_commands import read_chunks
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_bad_jsonl_says_which_line_is_wrong(tmp_path, line, message):
 
 
 def test_metadata_needs_the_renderer_of_the_framework_that_renders_it(tmp_path, monkeypatch):
-    import cacheblend_rag.store.commands as commands
+    import cacheblend_rag.store_commands as commands
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"text": "Paris.", "metadata": {"topic": "France"}}) + "\n")

@@ -8,7 +8,7 @@ import multiprocessing
 import pytest
 
 from cacheblend_rag.cli import main
-from cacheblend_rag.store.commands import parse_shard
+from cacheblend_rag.store_commands import parse_shard
 
 from redis_workers import corpus, shard_worker  # noqa: E402
 

@@ -15,7 +15,7 @@ from llama_index.postprocessor.cacheblend.nodes import node_chunk_text, record_c
 
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import open_store
-from cacheblend_rag.store.commands import read_chunks
+from cacheblend_rag.store_commands import read_chunks
 from cacheblend_rag.testing import save_tiny_model
 
 RECORDS = [

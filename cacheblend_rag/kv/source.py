@@ -12,7 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from cacheblend_rag.engine.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment, StoredSegment
+from cacheblend_rag.kv.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, Segment, StoredSegment
 
 
 class CachedKVSource(ABC):
