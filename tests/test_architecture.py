@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": {"engine", "store", "kv", "prompting", "config", "errors", "models", "concurrency"},
     "bench": {"engine", "store", "kv", "prompting", "config", "errors", "models", "data", "__init__"},
     # The HTTP server: a client of the serving layer, as the integrations are.
-    "server": {"serving", "engine", "store", "prompting", "config", "errors", "models", "concurrency", "testing"},
+    "server": {"serving", "engine", "store", "prompting", "config", "errors", "models", "concurrency"},
     "cli": {"store_commands", "bench", "models", "errors", "server"},  # the command groups, imported by name
     "__init__": {"config", "engine", "errors", "models"},
 }

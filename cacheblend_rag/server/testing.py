@@ -27,9 +27,9 @@ def running_server(model: str = "tiny-qwen2", *, store: Optional[str] = "memory"
     command loads it (through the registry, its scheduler left running for the process's other objects)."""
     if model.startswith(TINY_PREFIX):
         from cacheblend_rag.serving import CacheBlendSettings
-        from cacheblend_rag.testing import tiny_engine
+        from cacheblend_rag.serving.registry import tiny_engine_named
 
-        loaded = CacheBlendSettings(engine=tiny_engine(model[len(TINY_PREFIX):]), store_path=store, **settings)
+        loaded = CacheBlendSettings(engine=tiny_engine_named(model), store_path=store, **settings)
         try:
             with ServerThread(create_app(loaded, api_key=api_key)) as server:
                 yield server
