@@ -71,7 +71,16 @@ def minilm_folder() -> Path:
 
 
 def minilm_embedding() -> HuggingFaceEmbedding:
-    return HuggingFaceEmbedding(model_name=str(minilm_folder()), device="cpu")
+    from transformers.utils import logging as transformers_logging
+
+    # transformers' "Loading weights" bar is not this demo's to show (the LLM's load hides its own the same way).
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        return HuggingFaceEmbedding(model_name=str(minilm_folder()), device="cpu")
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def demo_documents() -> list[Document]:
@@ -98,7 +107,8 @@ def build_faiss_index(
             CacheBlendKVPrecompute(llm=llm, show_progress=show_progress),  # last: it sees the final text
         ]
     )
-    nodes = pipeline.run(documents=list(documents), show_progress=show_progress)
+    # One bar, the chunk KV's (the step that takes the time): the pipeline's own would nest another around it.
+    nodes = pipeline.run(documents=list(documents))
     dimension = len(nodes[0].embedding)
     vector_store = FaissVectorStore(faiss_index=faiss.IndexFlatL2(dimension))
     storage = StorageContext.from_defaults(vector_store=vector_store)

@@ -53,7 +53,8 @@ class CacheBlendKVPrecompute(TransformComponent):
         return "CacheBlendKVPrecompute"
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        show_progress = bool(kwargs.get("show_progress", self.show_progress))
+        # Its own bar when asked for here, or when the pipeline shows its bars (IngestionPipeline.run passes it).
+        show_progress = self.show_progress or bool(kwargs.get("show_progress"))
         self.llm.warm([node_chunk_text(n, self.metadata_mode) for n in nodes], announce=False, show_progress=show_progress)
         return nodes
 
