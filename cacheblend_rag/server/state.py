@@ -90,8 +90,12 @@ class ServerState:
         engine, config = settings.service.engine, settings.blend_config
         if config.gate and engine.adapter is not None and gate.pending(engine):
             started = time.perf_counter()
-            # On the scheduler's worker, as every other use of the model; remembered as a blend's gate would be.
-            ok, err = settings.service.scheduler.call(lambda: gate.remember(engine, engine.run_gate(config)))
+            try:  # on the scheduler's worker, as every other use of the model; remembered as a blend's gate would be
+                ok, err = settings.service.scheduler.call(lambda: gate.remember(engine, engine.run_gate(config)))
+            except Exception as exc:  # noqa: BLE001 - the first blend runs it again and reports it to its request
+                logger.warning("correctness gate could not run in the warm-up (%s: %s); the first blend runs it",
+                               type(exc).__name__, exc)
+                return
             logger.info("correctness gate: blending at ratio 1.0 %s full prefill (relative error %.2g) in %.1f s",
                         "matches" if ok else "DIFFERS FROM", err, time.perf_counter() - started)
 
