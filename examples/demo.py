@@ -71,16 +71,11 @@ def minilm_folder() -> Path:
 
 
 def minilm_embedding() -> HuggingFaceEmbedding:
-    from transformers.utils import logging as transformers_logging
+    from cacheblend_rag.models.loader import transformers_progress_bars
 
-    # transformers' "Loading weights" bar is not this demo's to show (the LLM's load hides its own the same way).
-    shown = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
+    # transformers' "Loading weights" bar is not this demo's to show: hidden as the LLM's load hides its own.
+    with transformers_progress_bars(None):
         return HuggingFaceEmbedding(model_name=str(minilm_folder()), device="cpu")
-    finally:
-        if shown:
-            transformers_logging.enable_progress_bar()
 
 
 def demo_documents() -> list[Document]:

@@ -283,12 +283,11 @@ class CacheBlendEngine:
             segs = fresh_after_exact(segs, exact)
         gate_s = 0.0  # the gate's one-time cost, said in the timings of the blend that paid it
         if cfg.gate:
-            gate_started, first = time.perf_counter(), gate.pending(self)
-            ok = gate.passed(self, cfg)
-            gate_s = time.perf_counter() - gate_started if first else 0.0
+            ok, gate_s = gate.passed(self, cfg)
             if not ok:
                 result = self._fall_back(segs, started, "correctness gate failed for this model")
-                result.stats.timings["gate"] = gate_s
+                if gate_s:
+                    result.stats.timings["gate"] = gate_s
                 return result
         strategy, check_layer = self.plan(cfg)
         # The store reads ahead from the first layer the blend reads: 0 when a profile or full reuse

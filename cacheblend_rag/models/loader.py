@@ -250,13 +250,15 @@ def load_model(
     them with full prefill). ``show_progress``: transformers' own progress bars ("Loading weights") while
     loading; off unless asked (or ``$CACHEBLEND_SHOW_PROGRESS=1``), as a load is one step of a larger one.
     """
-    with _progress_bars(show_progress):
+    with transformers_progress_bars(show_progress):
         return _load_model(name_or_path, device=device, dtype=dtype, require_adapter=require_adapter,
                            tokenizer=tokenizer, model_kwargs=model_kwargs)
 
 
 @contextlib.contextmanager
-def _progress_bars(show: bool | None) -> Iterator[None]:
+def transformers_progress_bars(show: bool | None) -> Iterator[None]:
+    """transformers' own progress bars inside the block only if ``show`` (``None``: if
+    ``$CACHEBLEND_SHOW_PROGRESS`` is 1, true or yes); its setting is restored after."""
     from transformers.utils import logging as hf_logging
 
     if show is None:
