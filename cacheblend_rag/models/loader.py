@@ -34,6 +34,7 @@ from cacheblend_rag.models import catalog
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
 from cacheblend_rag.models.dtype_choice import PROBE_FILE, choose_dtype, parse_dtype
 from cacheblend_rag.models.fingerprint import record_weights_source
+from cacheblend_rag.models.json_file import write_json_atomically
 from cacheblend_rag.models.placement import (
     load_quantization,
     place_on_device,
@@ -146,11 +147,7 @@ def _gguf_digest(gguf: Path) -> str:
     memo = memo if isinstance(memo, dict) else {}
     memo[str(path)] = {"state": state, "sha256": digest}
     with contextlib.suppress(OSError):  # a read-only cache still loads: it hashes every time
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, staging = tempfile.mkstemp(prefix=".digests-", dir=memo_path.parent)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(memo, fh)
-        os.replace(staging, memo_path)
+        write_json_atomically(memo_path, memo, indent=1)
     return digest
 
 
@@ -180,12 +177,9 @@ def _write_manifest(folder: Path, gguf_name: str, names: list[str] | None = None
         names = [p.name for p in sorted(folder.iterdir())
                  if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")]
     files = {name: _content_digest(folder / name) for name in names}
-    text = json.dumps({"version": _CONVERSION_VERSION, "gguf": gguf_name, "digest": "xxh3_128", "files": files},
-                      indent=1)
-    fd, staging = tempfile.mkstemp(prefix=".manifest-", dir=folder)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(staging, folder / "manifest.json")
+    write_json_atomically(folder / "manifest.json",
+                          {"version": _CONVERSION_VERSION, "gguf": gguf_name, "digest": "xxh3_128", "files": files},
+                          indent=1)
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
