@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,17 @@ def answer(llm) -> str:
     return llm.complete(PROMPT, formatted=True).text
 
 
-def in_another_process(tmp_path: Path, pickled: bytes, code: str) -> dict:
-    """Run ``code`` in a fresh Python that has unpickled ``pickled`` as ``llm``; it sets ``result``."""
-    (tmp_path / "llm.pkl").write_bytes(pickled)
-    script = "import json, pickle, sys\nllm = pickle.loads(open(sys.argv[1], 'rb').read())\nresult = {}\n"
-    script += textwrap.dedent(code) + "\nopen(sys.argv[2], 'w').write(json.dumps(result))\n"
+def in_another_process(tmp_path: Path, cases: dict[str, tuple[bytes, str]]) -> dict[str, dict]:
+    """Run each case's ``code`` in one fresh Python (~13 s of imports a fresh interpreter, paid once for all
+    cases) that has unpickled the case's bytes as ``llm``; the code sets ``result``. Each case's answer by name."""
+    script = "import json, pickle, sys\nresults = {}\n"
+    for name, (pickled, code) in cases.items():
+        (tmp_path / f"{name}.pkl").write_bytes(pickled)
+        script += f"llm = pickle.loads(open({str(tmp_path / (name + '.pkl'))!r}, 'rb').read())\nresult = {{}}\n"
+        script += textwrap.dedent(code) + f"\nresults[{name!r}] = result\n"
+    script += "open(sys.argv[1], 'w').write(json.dumps(results))\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "llm.pkl"), str(tmp_path / "out.json")],
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out.json")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text())
@@ -71,49 +76,66 @@ def test_a_deep_copy_shares_the_model_and_answers_the_same(cls) -> None:
         assert again.engine is llm.engine and again.chunk_cache is llm.chunk_cache
 
 
-def test_an_engine_of_the_callers_comes_back_in_this_process_only(tmp_path) -> None:
-    engine = tiny_engine("llama", seed=3)
-    llm = CacheBlendLLM(engine=engine, temperature=0, max_new_tokens=4)
-    pickled = pickle.dumps(llm)
-    assert pickle.loads(pickled).engine is engine
-    result = in_another_process(tmp_path, pickled, """
-        from cacheblend_rag.errors import ConfigError
-        from cacheblend_rag.testing import tiny_engine
-        try:
-            llm.complete("Hello")
-        except ConfigError as exc:
-            result["error"] = str(exc)
-        result["attached"] = llm.engine_attached
-        llm.attach_engine(tiny_engine("llama", seed=3))
-        result["text"] = llm.complete("Hello").text
-    """)
+@dataclass
+class Elsewhere:
+    """Three objects pickled here and used in one other process, and what each did there."""
+
+    callers_engine: CacheBlendLLM  # built on an engine of the caller's
+    by_name: ChatCacheBlend  # built by model name, with a store path
+    results: dict[str, dict]
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory) -> Elsewhere:
+    from cacheblend_rag.serving import chunk_cache_for, shared_engine
+
+    tmp_path = tmp_path_factory.mktemp("pickling")
+    callers_engine = CacheBlendLLM(engine=tiny_engine("llama", seed=3), temperature=0, max_new_tokens=4)
+    by_name = ChatCacheBlend(model="tiny-llama", temperature=0, max_tokens=6, store_path=str(tmp_path / "store"))
+    engine = shared_engine("tiny-llama")
+    callers_cache = CacheBlendLLM(engine=engine, chunk_cache=chunk_cache_for(engine, str(tmp_path / "elsewhere")))
+    results = in_another_process(tmp_path, {
+        "callers_engine": (pickle.dumps(callers_engine), """
+            from cacheblend_rag.errors import ConfigError
+            from cacheblend_rag.testing import tiny_engine
+            try:
+                llm.complete("Hello")
+            except ConfigError as exc:
+                result["error"] = str(exc)
+            result["attached"] = llm.engine_attached
+            llm.attach_engine(tiny_engine("llama", seed=3))
+            result["text"] = llm.complete("Hello").text
+        """),
+        "by_name": (pickle.dumps(by_name), f"""
+            from langchain_cacheblend import ChatCacheBlend
+            result["text"] = llm.invoke({PROMPT!r}).content
+            result["shared"] = ChatCacheBlend(model="tiny-llama", device="cpu").engine is llm.engine
+        """),
+        "callers_cache": (pickle.dumps(callers_cache), """
+            try:
+                llm.complete("Hello")
+            except Exception as exc:
+                result["error"] = str(exc)
+        """),
+    })
+    return Elsewhere(callers_engine, by_name, results)
+
+
+def test_an_engine_of_the_callers_comes_back_in_this_process_only(elsewhere) -> None:
+    llm = elsewhere.callers_engine
+    assert pickle.loads(pickle.dumps(llm)).engine is llm.engine
+    result = elsewhere.results["callers_engine"]
     assert "unpickled without its model" in result["error"] and ".attach_engine(engine)" in result["error"]
     assert "build the CacheBlendLLM where it is used" in result["error"] and result["attached"] is False
     assert result["text"] == llm.complete("Hello").text
 
 
-def test_another_process_loads_the_model_once_through_the_registry(tmp_path) -> None:
-    llm = ChatCacheBlend(model="tiny-llama", temperature=0, max_tokens=6, store_path=str(tmp_path / "store"))
-    result = in_another_process(tmp_path, pickle.dumps(llm), f"""
-        from langchain_cacheblend import ChatCacheBlend
-        result["text"] = llm.invoke({PROMPT!r}).content
-        result["shared"] = ChatCacheBlend(model="tiny-llama", device="cpu").engine is llm.engine
-    """)
-    assert result == {"text": answer(llm), "shared": True}
+def test_another_process_loads_the_model_once_through_the_registry(elsewhere) -> None:
+    assert elsewhere.results["by_name"] == {"text": answer(elsewhere.by_name), "shared": True}
 
 
-def test_a_chunk_cache_of_the_callers_cannot_travel(tmp_path) -> None:
-    from cacheblend_rag.serving import chunk_cache_for, shared_engine
-
-    engine = shared_engine("tiny-llama")
-    cache = chunk_cache_for(engine, str(tmp_path / "elsewhere"))
-    llm = CacheBlendLLM(engine=engine, chunk_cache=cache)
-    result = in_another_process(tmp_path, pickle.dumps(llm), """
-        try:
-            llm.complete("Hello")
-        except Exception as exc:
-            result["error"] = str(exc)
-    """)
+def test_a_chunk_cache_of_the_callers_cannot_travel(elsewhere) -> None:
+    result = elsewhere.results["callers_cache"]
     assert "without its chunk cache" in result["error"] and "store_path=" in result["error"]
 
 
@@ -145,7 +167,7 @@ def test_the_default_llm_pickles_small_and_answers_the_same(tmp_path) -> None:
     pickled = pickle.dumps(llm)
     assert len(pickled) < SMALL
     assert answer(pickle.loads(pickled)) == answer(llm)
-    result = in_another_process(tmp_path, pickled, f"""
+    result = in_another_process(tmp_path, {"default": (pickled, f"""
         result["text"] = llm.complete({PROMPT!r}, formatted=True).text
-    """)
+    """)})["default"]
     assert result["text"] == answer(llm)
