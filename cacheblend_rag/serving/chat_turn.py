@@ -31,7 +31,7 @@ salt too). ``None`` or ``""``: the shared namespace.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence, Union
 
 from cacheblend_rag.config import GenerationConfig
@@ -181,8 +181,8 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
     service = settings.service
     tokenizer = service.engine.tokenizer
     functions, required = chosen_tools(tool_functions(list(turn.tools)), turn.tool_choice)
-    generation = constrained(turn.generation, functions, required, turn.response_format,
-                             tool_format(tokenizer).arguments_key)
+    generation = constrained(answers_tool_results(turn, turn.generation), functions, required,
+                             turn.response_format, tool_format(tokenizer).arguments_key)
     blend = settings.blend_config_with(dict(turn.blend_options))
     reuse = settings.reuse_chunk_kv if turn.reuse is None else turn.reuse
     template_kwargs = settings.chat_template_kwargs if turn.template_kwargs is None else turn.template_kwargs
@@ -215,6 +215,17 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
                   stats, prompt, tuple(result.token_ids), served)
 
 
+def answers_tool_results(turn: ChatTurn, generation: GenerationConfig) -> GenerationConfig:
+    """``generation`` for a turn, with at least one token where the turn answers tool results: an agent's
+    model that ends its turn at once after a tool message answers ``''``, which every framework's loop takes
+    for its final answer (issue 71: LlamaIndex's FunctionAgent on Qwen2.5-Coder-1.5B, its response ``''``
+    after the right tool result). ``min_new_tokens`` set by the caller is kept."""
+    last = (turn.messages or [{}])[-1]
+    if generation.min_new_tokens or last.get("role") != "tool" or generation.max_new_tokens < 1:
+        return generation
+    return replace(generation, min_new_tokens=1)
+
+
 def cached_tokens(stats: Any) -> int:
     """Prompt tokens whose K/V came from a cache (the store, the prefix or segment cache) and was kept as is:
     the blend's reused tokens less those of chunks it computed for this request on a miss (``BlendStats``)."""
@@ -229,5 +240,5 @@ def _deltas(reasoning: str, text: str) -> Iterator[TurnEvent]:
         yield TextDelta(text)
 
 
-__all__ = ["appears_in", "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent",
-           "cached_tokens", "render_documents", "render_turn", "run_turn", "template_takes_documents"]
+__all__ = ["answers_tool_results", "appears_in", "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls",
+           "TurnEnd", "TurnEvent", "cached_tokens", "render_documents", "render_turn", "run_turn", "template_takes_documents"]
