@@ -51,7 +51,7 @@ from bench_agentic_rag import OverlapRetriever, corpus  # noqa: E402
 
 from cacheblend_rag.bench.metrics import normalize_answer  # noqa: E402
 from cacheblend_rag.bench.prompt import MusiqueExample, load_musique  # noqa: E402
-from cacheblend_rag.bench.report import git_info, machine_info  # noqa: E402
+from cacheblend_rag.bench.report import git_info, machine_info, print_report  # noqa: E402
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 WAYS = ("reference", "reference_our_parser", "blending_off", "blended", "function_agent")
@@ -352,20 +352,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     document = {
         "benchmark": "agents",
         "model": args.model,
-        "dtype": str(engine.dtype) if hasattr(engine, "dtype") else None,
+        "dtype": str(engine.dtype),
         "questions": f"the first {len(examples)} MuSiQue questions of {args.data} whose gold answer is written in "
                      "their own passages",
-        "settings": {k: getattr(args, k) for k in ("runs", "k", "passage_tokens", "max_steps", "max_tokens", "system", "dtype")},
+        "settings": {k: getattr(args, k)
+                     for k in ("runs", "k", "passage_tokens", "max_steps", "max_tokens", "system", "dtype")},
         "table": {way: {k: v for k, v in r.items() if k != "outcomes"} for way, r in results.items()},
         "results": results,
         "machine": machine_info(engine.device),
         "git": git_info(),
     }
-    text = json.dumps(document, indent=2, default=str)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    print_report(document, args.out)
     return 0
 
 
