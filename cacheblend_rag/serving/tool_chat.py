@@ -15,7 +15,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from cacheblend_rag.errors import BlendInputError, ConfigError
-from cacheblend_rag.serving.tool_formats import openai_tools, repaired_template, template_text, tool_format
+from cacheblend_rag.serving.tool_formats import openai_tools, template_text, tool_format
 from cacheblend_rag.serving.tools import call_text, tools_instruction
 
 
@@ -104,13 +104,9 @@ def render_chat(tokenizer: Any, chat: Sequence[Mapping[str, Any]], functions: Se
         turns = _one_call_each(turns)
     elif not fmt.native:
         turns = _fallback_turns(turns, functions, required)
-    options = dict(template_kwargs or {})
-    repaired = repaired_template(tokenizer)
-    if repaired is not None and "chat_template" not in options:
-        options["chat_template"] = repaired
     try:
         prompt = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True,
-                                               **options)
+                                               **dict(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - jinja's and the template's own errors, named for the user
         if tools is None:
             raise

@@ -177,22 +177,6 @@ def template_text(tokenizer: Any) -> str:
     return template or ""
 
 
-# Qwen2.5's chat templates (and the GGUFs made from them, Qwen2.5-Coder-1.5B's among them) write the call
-# example's braces doubled inside a Jinja string literal, where nothing undoubles them, so the model is shown
-# {{"name": ..., "arguments": ...}} and copies it: on that model, calls in doubled braces that parse as no JSON
-# (issue 71's bench_agents).
-_DOUBLED_CALL_EXAMPLE = '{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}'
-
-
-def repaired_template(tokenizer: Any) -> str | None:
-    """The chat template with its known slips repaired (the doubled braces above), or ``None`` when it has
-    none: what :func:`~cacheblend_rag.serving.tool_chat.render_chat` renders with instead of the shipped one."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or _DOUBLED_CALL_EXAMPLE not in template:
-        return None
-    return template.replace(_DOUBLED_CALL_EXAMPLE, _DOUBLED_CALL_EXAMPLE[1:-1])
-
-
 def openai_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``functions`` as the OpenAI tools chat templates take (``tools=`` of ``apply_chat_template``)."""
     return [{"type": "function", "function": f} for f in functions]
@@ -225,4 +209,4 @@ def tool_format(tokenizer: Any) -> ToolFormat:
 
 
 __all__ = ["CACHEBLEND", "HERMES", "LLAMA3_JSON", "NATIVE_FORMATS", "ParsedAnswer", "ToolFormat", "openai_tools",
-           "repaired_template", "template_text", "tool_format"]
+           "template_text", "tool_format"]

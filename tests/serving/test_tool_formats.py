@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.serving.tool_chat import assistant_turn, render_chat, tool_turn
-from cacheblend_rag.serving.tool_formats import CACHEBLEND, HERMES, LLAMA3_JSON, repaired_template, tool_format
+from cacheblend_rag.serving.tool_formats import CACHEBLEND, HERMES, LLAMA3_JSON, tool_format
 from cacheblend_rag.serving.tool_stream import ToolCallStream
 from cacheblend_rag.serving.tools import constrained, tool_functions
 from cacheblend_rag.config import GenerationConfig
@@ -208,18 +208,3 @@ def test_hermes_reads_calls_in_json_code_blocks_and_leaves_other_json_as_text():
     assert stream.finish()[1].arguments == {"city": "Oslo"}
     stream = ToolCallStream(FUNCTIONS, HERMES)
     assert feed_all(stream, ["``", "`python\nprint(1)"]) == ["", "```python\nprint(1)"]
-
-
-def test_qwen25s_doubled_braces_in_the_call_example_are_shown_single():
-    """Qwen2.5's templates (Qwen2.5-Coder-1.5B's GGUF among them) double the braces of the call example inside a
-    Jinja string, so the model saw {{"name": ...}} and wrote its calls so (issue 71's bench_agents): the prompt
-    shows the example as JSON, the shipped template is left as it is, and other templates are not touched."""
-    single = '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
-    assert single in QWEN25_TOOLS_TEMPLATE
-    shipped = QWEN25_TOOLS_TEMPLATE.replace(single, "{" + single + "}")
-    tokenizer = tokenizer_with(shipped)
-    prompt = render_chat(tokenizer, [{"role": "user", "content": "Weather in Paris?"}], FUNCTIONS)
-    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
-    assert "{{" not in prompt and tokenizer.chat_template == shipped
-    assert repaired_template(tokenizer_with(QWEN25_TOOLS_TEMPLATE)) is None
-    assert repaired_template(tokenizer_with(LLAMA31_TOOLS_TEMPLATE)) is None
