@@ -217,7 +217,7 @@ def _unknown_tool(call: dict[str, Any]) -> Any:
     return ToolMessage(f"no tool named {call['name']}", tool_call_id=call["id"])
 
 
-def run_function_agent(llm: Any, documents: list[Any], example: MusiqueExample, args: argparse.Namespace
+def run_function_agent(llm: Any, retriever: OverlapRetriever, example: MusiqueExample, args: argparse.Namespace
                        ) -> dict[str, Any]:
     """LlamaIndex's ``FunctionAgent`` with the blended retriever tool and ``calculate``."""
     from llama_index.core.agent.workflow import FunctionAgent
@@ -226,14 +226,13 @@ def run_function_agent(llm: Any, documents: list[Any], example: MusiqueExample, 
     from llama_index.core.tools import FunctionTool
     from llama_index.postprocessor.cacheblend import cacheblend_retriever_tool
 
-    nodes = [TextNode(text=d.page_content) for d in documents]
+    nodes = {d.page_content: TextNode(text=d.page_content) for d in retriever.documents}
 
     class Overlap(BaseRetriever):
+        """The LangChain ways' ranking (``OverlapRetriever``), as LlamaIndex nodes."""
+
         def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-            words = set(re.findall(r"\w+", query_bundle.query_str.lower()))
-            scores = [len(words & set(re.findall(r"\w+", n.text.lower()))) for n in nodes]
-            order = sorted(range(len(nodes)), key=lambda i: (-scores[i], i))
-            return [NodeWithScore(node=nodes[i], score=float(scores[i])) for i in order[: args.k]]
+            return [NodeWithScore(node=nodes[d.page_content]) for d in retriever.invoke(query_bundle.query_str)]
 
     tools = [cacheblend_retriever_tool(Overlap(), llm, name=TOOL, description=TOOL_DESCRIPTION),
              FunctionTool.from_defaults(calculate)]
@@ -332,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 retriever, TOOL, TOOL_DESCRIPTION), example, args),
             "blended": lambda: run_langchain(chats["blended"], cacheblend_retriever_tool(
                 retriever, chats["blended"], TOOL, TOOL_DESCRIPTION), example, args),
-            "function_agent": lambda: run_function_agent(llama, retriever.documents, example, args),
+            "function_agent": lambda: run_function_agent(llama, retriever, example, args),
         }
         outcome = runners[way]()
         outcome.update(way=way, question=i, text=example.question, golds=example.answers,

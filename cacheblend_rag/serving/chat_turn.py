@@ -181,7 +181,7 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
     service = settings.service
     tokenizer = service.engine.tokenizer
     functions, required = chosen_tools(tool_functions(list(turn.tools)), turn.tool_choice)
-    generation = constrained(answers_tool_results(turn, turn.generation), functions, required,
+    generation = constrained(answers_tool_results(turn), functions, required,
                              turn.response_format, tool_format(tokenizer).arguments_key)
     blend = settings.blend_config_with(dict(turn.blend_options))
     reuse = settings.reuse_chunk_kv if turn.reuse is None else turn.reuse
@@ -215,13 +215,14 @@ def run_turn(settings: Any, turn: ChatTurn) -> Iterator[TurnEvent]:
                   stats, prompt, tuple(result.token_ids), served)
 
 
-def answers_tool_results(turn: ChatTurn, generation: GenerationConfig) -> GenerationConfig:
-    """``generation`` for a turn, with at least one token where the turn answers tool results: an agent's
-    model that ends its turn at once after a tool message answers ``''``, which every framework's loop takes
-    for its final answer (issue 71: LlamaIndex's FunctionAgent on Qwen2.5-Coder-1.5B, its response ``''``
-    after the right tool result). ``min_new_tokens`` set by the caller is kept."""
+def answers_tool_results(turn: ChatTurn) -> GenerationConfig:
+    """``turn``'s generation, with at least one token where the turn answers tool results: an agent's model
+    that ends its turn at once after a tool message answers ``''``, which every framework's loop takes for its
+    final answer (issue 71: LlamaIndex's FunctionAgent on Qwen2.5-Coder-1.5B, its response ``''`` after the
+    right tool result). ``min_new_tokens`` set by the caller is kept."""
+    generation = turn.generation
     last = (turn.messages or [{}])[-1]
-    if generation.min_new_tokens or last.get("role") != "tool" or generation.max_new_tokens < 1:
+    if generation.min_new_tokens or last.get("role") != "tool":
         return generation
     return replace(generation, min_new_tokens=1)
 

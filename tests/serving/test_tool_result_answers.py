@@ -33,8 +33,8 @@ def ends_at_once():
     return CacheBlendSettings(engine=engine, min_blend_tokens=0)
 
 
-def answer(settings, messages, **generation) -> str:
-    config = settings.generation_config_with(8, None, {"temperature": 0, **generation})
+def answer(settings, messages) -> str:
+    config = settings.generation_config_with(8, None, {"temperature": 0})
     events = run_turn(settings, ChatTurn(messages=messages, tools=TOOLS, generation=config))
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
@@ -46,9 +46,9 @@ def test_after_a_tool_result_the_answer_is_never_empty(ends_at_once):
 
 def test_a_callers_min_new_tokens_is_kept_and_a_user_turn_is_left_alone():
     after_tool = ChatTurn(messages=AFTER_TOOL, generation=GenerationConfig(max_new_tokens=8, min_new_tokens=3))
-    assert answers_tool_results(after_tool, after_tool.generation).min_new_tokens == 3
+    assert answers_tool_results(after_tool).min_new_tokens == 3
     user = ChatTurn(messages=AFTER_TOOL[:1], generation=GenerationConfig(max_new_tokens=8))
-    assert answers_tool_results(user, user.generation).min_new_tokens == 0
+    assert answers_tool_results(user).min_new_tokens == 0
 
 
 def test_llamaindex_and_langchain_answer_a_tool_result_with_text(ends_at_once):
