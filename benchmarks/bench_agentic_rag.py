@@ -62,7 +62,7 @@ from cacheblend_rag.bench.prompt import SYSTEM_INSTRUCTION, MusiqueExample, load
 from cacheblend_rag.bench.report import git_info, machine_info
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request, teacher_forced_logits
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.engine.calibrated import describe_config
+from cacheblend_rag.calibration.lookup import describe_config
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME

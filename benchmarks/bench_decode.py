@@ -38,7 +38,7 @@ from bench_engine import DEFAULT_DATA, build_prompt, passages  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, CachedSegment, FreshSegment, GenerationConfig  # noqa: E402
 from cacheblend_rag.bench.report import print_report  # noqa: E402
-from cacheblend_rag.bench.host_syncs import count_host_syncs  # noqa: E402
+from bench_support.host_syncs import count_host_syncs  # noqa: E402
 from cacheblend_rag.engine.decode import decode_logits  # noqa: E402
 from cacheblend_rag.engine.generate import start_decoding  # noqa: E402
 from cacheblend_rag.models.dtype_choice import cpu_model_name

@@ -14,7 +14,7 @@ No timing, so the machine may be busy. A method's ratio to full prefill's count,
 prefill's GPU time where launches dominate, is a rough floor for its GPU time.
 
 Beside each count, ``host syncs``: the calls of one blend that would make the host wait for a GPU
-(``item``, ``tolist``, boolean indexing, ``bincount``...; :mod:`cacheblend_rag.bench.host_syncs`), with
+(``item``, ``tolist``, boolean indexing, ``bincount``...; :mod:`bench_support.host_syncs`), with
 where each is made. Issue 58's yardstick: full reuse and CacheBlend at most 1.25x full prefill's
 operations, the default (with its profile pass) at most 1.6x, and at most 4 host syncs a blend.
 """
@@ -35,7 +35,7 @@ import gpu_check  # noqa: E402  (its model shapes and prompt)
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment  # noqa: E402
 from cacheblend_rag.bench.report import print_report  # noqa: E402
-from cacheblend_rag.bench.host_syncs import count_host_syncs  # noqa: E402
+from bench_support.host_syncs import count_host_syncs  # noqa: E402
 from cacheblend_rag.engine import attention  # noqa: E402
 
 NARROW = dict(hidden_size=128, intermediate_size=64, vocab_size=2048)

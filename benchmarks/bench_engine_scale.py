@@ -11,7 +11,7 @@ chunks as tensors. After one warm-up of each method (it also runs the one-time c
 gate), the methods take turns within every repeat, so a change of load on the machine touches
 them alike; each reports the median of ``--repeats`` and the median of every phase the engine
 times (``result.stats.timings``: profile, early/check/late layers, load wait), so a gap to the
-bound can be explained. The bound (:mod:`cacheblend_rag.bench.bound`) is worked out from the
+bound can be explained. The bound (:mod:`cacheblend_rag.calibration.bound`) is worked out from the
 loaded model's config: CacheBlend as published at ``--ratio``, and each method's own.
 
 ``--methods`` picks among ``full_prefill``, ``full_reuse``, ``cacheblend`` (``cacheblend@RATIO``),
@@ -46,10 +46,10 @@ from bench_engine import DEFAULT_DATA, build_prompt, git_commit, machine, passag
 from bench_store import Mode, run_interleaved
 from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSegment, StoredSegment
 from cacheblend_rag.bench.report import print_report
-from cacheblend_rag.bench.bandwidth import loader_and_disk
-from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from bench_support.bandwidth import loader_and_disk
+from cacheblend_rag.calibration.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.methods import parse_methods
-from cacheblend_rag.engine.calibrated import describe_config
+from cacheblend_rag.calibration.lookup import describe_config
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 
 DEFAULT_TARGET = 3.5  # issue 23: the default at 0.15, ~3,000 tokens, 1.5B model, from the disk store

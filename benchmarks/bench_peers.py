@@ -3,7 +3,7 @@ float32 full prefill, for each peer on the same MuSiQue prompts (prints JSON; is
 
 The prompts are the harness's (``cacheblend_rag.bench.prompt``: the model's chat template, ``--passages``
 passages of up to ``--max-passage-tokens`` tokens, the question). The peers
-(``cacheblend_rag.bench.peers``, each set up as its own docs recommend for RAG):
+(``bench_support.peers``, each set up as its own docs recommend for RAG):
 
 - ``hf-fp32``, ``hf-bf16``: Hugging Face full prefill, the model's own forward (TTFT) and ``generate`` (answer);
 - ``hf-prefix-fp32``, ``hf-prefix-bf16``: HF prefix caching, a DynamicCache of the lead every prompt shares;
@@ -46,7 +46,7 @@ from bench_engine import DEFAULT_DATA, git_commit
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.bench.metrics import token_kl
-from cacheblend_rag.bench.peers import LLAMA_FORMATS, PEERS, Peer, PeerContext, PeerUnavailable, requantized_gguf
+from bench_support.peers import LLAMA_FORMATS, PEERS, Peer, PeerContext, PeerUnavailable, requantized_gguf
 from cacheblend_rag.bench.prompt import BenchPrompt, build_prompt, load_musique
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request
 from cacheblend_rag.engine.generate import eos_token_ids

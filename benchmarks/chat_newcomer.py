@@ -4,7 +4,7 @@ about 300 tokens and a 4-turn conversation, as someone new to the package would 
 
 Prints a JSON table with one row per turn of the answer call's stats (prompt, exact, reused,
 recomputed and fresh tokens, the new message's tokens) and the issue's target: from turn 2 on, fresh
-tokens at most the new message plus the template's glue (:mod:`cacheblend_rag.bench.conversation`).
+tokens at most the new message plus the template's glue (:mod:`bench_support.conversation`).
 ``--plot`` draws each turn's prompt tokens by origin.
 
     .venv/bin/python benchmarks/chat_newcomer.py --out results/chat_newcomer.json --plot results/chat_newcomer.png
@@ -36,7 +36,7 @@ from llama_index.postprocessor.cacheblend import CacheBlendKVPrecompute, CacheBl
 from llama_index.vector_stores.faiss import FaissVectorStore
 from tqdm.auto import tqdm
 
-from cacheblend_rag.bench.conversation import answer_allowance, partial_block_allowance, turn_record
+from bench_support.conversation import answer_allowance, partial_block_allowance, turn_record
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 

@@ -9,7 +9,7 @@ import sys
 
 # Modules exposing ``register(subparsers)``; each adds its own sub-commands.
 COMMAND_MODULES = ("cacheblend_rag.store_commands", "cacheblend_rag.bench.commands", "cacheblend_rag.models.commands",
-                   "cacheblend_rag.bench.calibrate_commands", "cacheblend_rag.server.commands")
+                   "cacheblend_rag.calibration.commands", "cacheblend_rag.server.commands")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ variants and per-layer stale-K/V distances this research needed.
 ``report``: the table of research/quality_notebook.md ("Where fidelity goes at 1.5B") from the JSONL: KL per
 question and method, recovery of full reuse's KL, questions worse than full reuse; and the speed-fidelity plot,
 each method's recovery against its TTFT speedup at 3,043 tokens, estimated as its work bound
-(:mod:`cacheblend_rag.bench.bound`) times the share of its bound that the engine reached when measured
+(:mod:`cacheblend_rag.calibration.bound`) times the share of its bound that the engine reached when measured
 (research/quality_notebook.md, "Speed at 3,000 tokens on the 1.5B model").
 
     python research/fidelity_explore.py run --methods "kv_deviation@0.15,query_profiled+prefix@0.15"
@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file
 
-from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.calibration.bound import LayerShapes, work_bound
 from cacheblend_rag.bench.metrics import recovery, token_kl, top1_agreement
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root, converted_gguf_folder

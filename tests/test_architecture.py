@@ -25,7 +25,10 @@ ALLOWED: dict[str, set[str]] = {
     "concurrency": set(),
     "models": {"errors"},
     "kv": {"errors"},  # segments and chunk K/V, what the engine and the store both speak
-    "engine": {"config", "errors", "models", "kv"},
+    # The saved calibration settings, which the engine reads: a floor of its own below the engine, while the rest of
+    # calibration/ (measuring, choosing, the command) stands on the benchmark harness, above it.
+    "calibration.lookup": {"config", "errors", "models"},
+    "engine": {"config", "errors", "models", "kv", "calibration.lookup"},
     "store": {"kv", "config", "errors", "models"},  # no module of engine/ (issue 72, item 3)
     "prompting": {"engine", "kv"},
     # `cacheblend-rag warm` and `cache stats`: an engine computes what the store keeps.
@@ -33,11 +36,13 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"engine", "config", "models"},
     "testing_tools": {"testing"},
     # No production module imports testing (the tiny-* names load from models.tiny and engine.tiny).
-    "serving": {"engine", "store", "kv", "prompting", "config", "errors", "models", "concurrency"},
-    "bench": {"engine", "store", "kv", "prompting", "config", "errors", "models", "data", "__init__"},
+    "serving": {"engine", "store", "kv", "prompting", "config", "errors", "models", "concurrency", "calibration.lookup"},
+    "bench": {"engine", "store", "kv", "prompting", "config", "errors", "models", "data", "__init__", "calibration.lookup"},
+    "calibration": {"bench", "engine", "store", "kv", "prompting", "config", "errors", "models", "data",
+                    "calibration.lookup"},
     # The HTTP server: a client of the serving layer, as the integrations are.
     "server": {"serving", "engine", "store", "prompting", "config", "errors", "models", "concurrency"},
-    "cli": {"store_commands", "bench", "models", "errors", "server"},  # the command groups, imported by name
+    "cli": {"store_commands", "bench", "calibration", "models", "errors", "server"},  # the command groups, imported by name
     "__init__": {"config", "engine", "errors", "models"},
 }
 FRAMEWORKS = ("llama_index", "langchain", "langchain_core", "langchain_cacheblend")
@@ -113,6 +118,8 @@ GRAPH = {name: {i: kinds for i, kinds in imported.items() if i in EVERY_MODULE} 
 
 
 def _part(module: str) -> str:
+    if module == "cacheblend_rag.calibration.lookup":
+        return "calibration.lookup"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -142,6 +149,25 @@ def test_the_integrations_use_only_what_the_serving_layer_exports(module):
     reached = sorted(i for i in IMPORTS[module] if i.split(".")[0] == "cacheblend_rag" and i != "cacheblend_rag.serving")
     assert not reached, f"{module} imports {reached}; import those names from cacheblend_rag.serving (export them there)"
 
+
+
+def _reached_from(start: str) -> set[str]:
+    reached, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += GRAPH.get(module, {})
+    return reached
+
+
+def test_bench_holds_only_what_the_bench_command_runs():
+    """Measurement stays out of the wheel (issue 72): every module of ``cacheblend_rag/bench`` is reached from the
+    ``cacheblend-rag bench`` command; what only the root benchmark scripts use lives in ``benchmarks/bench_support``,
+    and calibration, a product feature, in ``cacheblend_rag/calibration``."""
+    unreached = sorted(m for m in MODULES if m.startswith("cacheblend_rag.bench.")
+                       and m not in _reached_from("cacheblend_rag.bench.commands"))
+    assert not unreached, f"{unreached} are not run by `cacheblend-rag bench`; move them to benchmarks/bench_support"
 
 # research/: the experiments behind research/quality_notebook.md. They import the package; the package and the
 # integrations never import them (by package, by a script's module name, which they import each other by, or named

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.calibrated import (CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config,
+from cacheblend_rag.calibration.lookup import (CALIBRATED_FIELDS, DEFAULT_CONDITION_CHUNKS, describe_config,
                                               PROBE_SHIFT_STRIDE, PROBE_SHIFT_WINDOW,
                                               correction_suffix)
 from cacheblend_rag.engine.selection import available_strategies

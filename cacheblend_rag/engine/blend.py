@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import gate
 from cacheblend_rag.engine.blend_run import SKIP_EXACT_PREFIX_SHARE, BlendRun
-from cacheblend_rag.engine.calibrated import (CalibratedSetting, CalibrationLookup, WeightsKey, describe_config,
+from cacheblend_rag.calibration.lookup import (CalibratedSetting, CalibrationLookup, WeightsKey, describe_config,
                                               find_calibration)
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream, run_generation
 from cacheblend_rag.kv.source import KVSourceProvider, open_cached_source
@@ -149,7 +149,7 @@ class CacheBlendEngine:
     def calibration(self, directory: str | None = None) -> CalibratedSetting | None:
         """The setting saved by ``cacheblend-rag calibrate`` (or shipped) for this model, if any: measured on this
         engine's device type first (its fingerprint's, else its weights' in another dtype), else one measured on
-        another device type (:func:`~cacheblend_rag.engine.calibrated.find_calibration`)."""
+        another device type (:func:`~cacheblend_rag.calibration.lookup.find_calibration`)."""
         return self.calibration_lookup(directory).setting
 
     def calibration_lookup(self, directory: str | None = None) -> CalibrationLookup:

@@ -1,4 +1,4 @@
-"""A decoder's shapes, read from its transformers config: what the work bound (``bench.bound``) and the
+"""A decoder's shapes, read from its transformers config: what the work bound (``calibration.bound``) and the
 scheduler's KV budget (``serving.admission``) both count with."""
 
 from __future__ import annotations

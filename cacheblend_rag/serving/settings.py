@@ -21,7 +21,7 @@ from pydantic import ByteSize, ConfigDict, Field, PrivateAttr, SecretStr, Valida
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
-from cacheblend_rag.engine.calibrated import (
+from cacheblend_rag.calibration.lookup import (
     CALIBRATED_FIELDS,
     DEFAULT_CONDITION_CHUNKS,
     CalibratedSetting,

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig, Qwen2Config
 
-from cacheblend_rag.bench.bound import LayerShapes, work_bound
+from cacheblend_rag.calibration.bound import LayerShapes, work_bound
 from cacheblend_rag.testing import tiny_engine
 
 # The shapes of Qwen2.5-(Coder-)1.5B and SmolLM2-135M, as their configs give them.

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from cacheblend_rag.bench import peers as peers_module
-from cacheblend_rag.bench.peers import Answer, Peer, Timed
+from bench_support import peers as peers_module
+from bench_support.peers import Answer, Peer, Timed
 from cacheblend_rag.testing import tiny_engine
 
 

@@ -1,6 +1,6 @@
 """The chat scripts of issue 31 on tiny engines: benchmarks/bench_chat.py's document and targets block,
 benchmarks/chat_newcomer.py's per-turn table and target (also on SmolLM2, slow), and the bound on a
-later turn's fresh tokens they use (cacheblend_rag.bench.conversation)."""
+later turn's fresh tokens they use (bench_support.conversation)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.bench.conversation import chunk_separator_tokens, fresh_bound, turn_glue_tokens
+from bench_support.conversation import chunk_separator_tokens, fresh_bound, turn_glue_tokens
 from cacheblend_rag.testing import tiny_tokenizer
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

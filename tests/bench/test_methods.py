@@ -6,7 +6,7 @@ import pytest
 
 from cacheblend_rag.bench.methods import MethodSpec, parse_methods, parse_ratios, with_references
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.calibrated import describe_config
+from cacheblend_rag.calibration.lookup import describe_config
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.bench.calibration import calibrate
+from cacheblend_rag.calibration.measure import calibrate
 from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 from cacheblend_rag.data import load_demo_corpus, load_demo_questions
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV
+from cacheblend_rag.calibration.lookup import CALIBRATION_DIR_ENV
 from cacheblend_rag.testing import tiny_engine
 
 CANDIDATES = "kv_deviation@0.1,kv_deviation@0.5,kv_deviation@1.0,query_profiled+prefix@0.15"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.bench.calibrate_commands import run_calibration
-from cacheblend_rag.bench.calibration import (
+from cacheblend_rag.calibration.commands import run_calibration
+from cacheblend_rag.calibration.measure import (
     DEFAULT_CANDIDATES,
     Candidate,
     CalibrationTarget,
@@ -23,8 +23,8 @@ from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 from cacheblend_rag.cli import build_parser
 from cacheblend_rag.data import demo_corpus_dir, load_demo_questions
 from cacheblend_rag.engine import CachedSegment, FreshSegment
-from cacheblend_rag.engine import calibrated
-from cacheblend_rag.engine.calibrated import calibration_path, load_calibration, parse_document
+from cacheblend_rag.calibration import lookup as calibrated
+from cacheblend_rag.calibration.lookup import calibration_path, load_calibration, parse_document
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.catalog import lookup
 from cacheblend_rag.testing import tiny_engine
@@ -314,7 +314,7 @@ def test_the_cost_may_be_measured_ttft(engine, prompts, measured):
 
 
 def test_prompts_from_a_jsonl_of_questions_and_passages(tmp_path):
-    from cacheblend_rag.bench.calibrate_commands import load_examples
+    from cacheblend_rag.calibration.commands import load_examples
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"question": "Q1?", "passages": ["one", {"title": "T", "text": "two"}]}) + "\n\n"
@@ -356,7 +356,7 @@ def test_warm_computes_chunks_as_the_calibration_chose(tmp_path, capsys):
 
 
 def test_with_answerable_n_counts_the_prompts_that_hold_their_answer(engine, tmp_path, capsys):
-    from cacheblend_rag.bench.calibrate_commands import build_prompts, load_examples
+    from cacheblend_rag.calibration.commands import build_prompts, load_examples
 
     def item(question: str, answer: str, text: str) -> str:
         return json.dumps({"question": question, "answers": [answer], "passages": [text, "filler words here"]})

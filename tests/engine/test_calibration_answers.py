@@ -10,14 +10,14 @@ import logging
 
 import pytest
 
-from cacheblend_rag.bench import calibration as calibration_module
-from cacheblend_rag.bench.calibrate_commands import run_calibration
-from cacheblend_rag.bench.calibration import CalibrationTarget, calibrate, parse_candidates, prompt_key
+from cacheblend_rag.calibration import measure as calibration_module
+from cacheblend_rag.calibration.commands import run_calibration
+from cacheblend_rag.calibration.measure import CalibrationTarget, calibrate, parse_candidates, prompt_key
 from cacheblend_rag.bench.requests import BlendRequest, FullPrefillRequest, run_request
 from cacheblend_rag.bench.stores import ChunkStoreFactory
 from cacheblend_rag.cli import build_parser
 from cacheblend_rag.data import demo_corpus_dir, load_demo_questions
-from cacheblend_rag.engine.calibrated import load_calibration
+from cacheblend_rag.calibration.lookup import load_calibration
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from cacheblend_rag import CachedSegment, FreshSegment
-from cacheblend_rag.bench.calibration import calibrate
-from cacheblend_rag.bench.calibration_state import default_state_path
+from cacheblend_rag.calibration.measure import calibrate
+from cacheblend_rag.calibration.state import default_state_path
 from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
-from cacheblend_rag.engine import calibrated
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV, calibration_path, load_calibration
+from cacheblend_rag.calibration import lookup as calibrated
+from cacheblend_rag.calibration.lookup import CALIBRATION_DIR_ENV, calibration_path, load_calibration
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.testing import tiny_engine
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
-from cacheblend_rag.bench.calibration import calibrate
+from cacheblend_rag.calibration.measure import calibrate
 from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
-from cacheblend_rag.engine import calibrated
-from cacheblend_rag.engine.calibrated import parse_document
+from cacheblend_rag.calibration import lookup as calibrated
+from cacheblend_rag.calibration.lookup import parse_document
 from cacheblend_rag.models.catalog import lookup
 from cacheblend_rag.models.fingerprint import content_identity, record_weights_source
 from cacheblend_rag.testing import tiny_engine

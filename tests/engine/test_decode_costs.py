@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cacheblend_rag import FreshSegment, GenerationConfig
-from cacheblend_rag.bench.host_syncs import count_host_syncs
+from bench_support.host_syncs import count_host_syncs
 from cacheblend_rag.engine.decode import decode_logits
 from cacheblend_rag.engine.detokenize import IncrementalText
 from cacheblend_rag.engine.generate import TokenSampler, start_decoding

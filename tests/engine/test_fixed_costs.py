@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
-from cacheblend_rag.bench.host_syncs import count_host_syncs
+from bench_support.host_syncs import count_host_syncs
 from cacheblend_rag.engine.generate import decoding_cache
 from cacheblend_rag.testing import tiny_engine
 

@@ -157,7 +157,7 @@ def test_do_sample_is_model_generates():
      "no_repeat_ngram_size": 2, "seed": 3},
 ])
 def test_the_processors_read_nothing_back(options):
-    from cacheblend_rag.bench.host_syncs import count_host_syncs
+    from bench_support.host_syncs import count_host_syncs
 
     sampler = TokenSampler(GenerationConfig(max_new_tokens=40, **options).resolved(), [5, 9, 200], eos=[2])
     generated = [int(sampler.sample(_logits(0), []))]

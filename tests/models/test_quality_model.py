@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV
+from cacheblend_rag.calibration.lookup import CALIBRATION_DIR_ENV
 from cacheblend_rag.kv.segments import CachedSegment, FreshSegment
 from cacheblend_rag.models import catalog
 from cacheblend_rag.models.loader import cache_root

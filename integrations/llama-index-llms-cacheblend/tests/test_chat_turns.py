@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 from llama_index.core.llms import ChatMessage
 
-from cacheblend_rag.bench.conversation import TOKEN_STATS, fresh_bound, partial_block_allowance
+from bench_support.conversation import TOKEN_STATS, fresh_bound, partial_block_allowance
 from cacheblend_rag.testing import tiny_engine
 from llama_index.llms.cacheblend import CacheBlendLLM
 

@@ -175,7 +175,7 @@ def test_bad_configuration_does_not_load_the_model(monkeypatch):
 
 
 def test_a_saved_calibration_is_used_unless_a_setting_is_given(engine, tmp_path):
-    from cacheblend_rag.bench.calibration import calibrate
+    from cacheblend_rag.calibration.measure import calibrate
     from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
     from cacheblend_rag.testing import tiny_engine
 

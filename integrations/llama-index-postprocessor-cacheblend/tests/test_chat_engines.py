@@ -22,7 +22,7 @@ from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.postprocessor.cacheblend import CacheBlendNodePostprocessor
 from llama_index.vector_stores.faiss import FaissVectorStore
 
-from cacheblend_rag.bench.conversation import answer_allowance, fresh_bound, partial_block_allowance
+from bench_support.conversation import answer_allowance, fresh_bound, partial_block_allowance
 from cacheblend_rag.testing import tiny_engine
 
 EMBED_DIM = 64

@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
-from cacheblend_rag.bench.conversation import TOKEN_STATS, fresh_bound, partial_block_allowance
+from bench_support.conversation import TOKEN_STATS, fresh_bound, partial_block_allowance
 from cacheblend_rag.testing import tiny_engine
 from langchain_cacheblend import CacheBlendRetriever, ChatCacheBlend
 from langchain_cacheblend._messages import render_prompt

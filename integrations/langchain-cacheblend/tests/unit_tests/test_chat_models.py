@@ -252,7 +252,7 @@ def test_announced_texts_are_bounded_most_recent_first(engine) -> None:
 
 def test_a_saved_calibration_is_used_unless_a_setting_is_given(engine, tmp_path) -> None:
     from cacheblend_rag import BlendConfig
-    from cacheblend_rag.bench.calibration import calibrate
+    from cacheblend_rag.calibration.measure import calibrate
     from cacheblend_rag.bench.prompt import MusiqueExample, build_prompt
 
     example = MusiqueExample("Who won two Nobel prizes?", [], [("", text) for text in CHUNKS])

@@ -1,5 +1,5 @@
 """Saved calibration results: the blend setting measured best for one model, one JSON file per
-model fingerprint (``cacheblend-rag calibrate`` writes them, :mod:`cacheblend_rag.bench.calibration`).
+model fingerprint (``cacheblend-rag calibrate`` writes them, :mod:`cacheblend_rag.calibration.measure`).
 
 The engine and both integrations look here for their model's fingerprint when the user gave
 no blend setting. A file is used only if it is well formed *and* names the same fingerprint

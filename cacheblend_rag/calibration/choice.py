@@ -1,5 +1,5 @@
 """What a calibration asks of a setting (:class:`CalibrationTarget`), what it measured of each
-(:class:`CandidateOutcome`), and the choice (:func:`choose`); :mod:`cacheblend_rag.bench.calibration` runs
+(:class:`CandidateOutcome`), and the choice (:func:`choose`); :mod:`cacheblend_rag.calibration.measure` runs
 the measurements.
 
 The target is on KL (recovery of full reuse's KL, prompts no worse than full reuse) and, when given, on

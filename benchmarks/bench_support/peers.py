@@ -27,7 +27,7 @@ from cacheblend_rag.bench.prompt import BenchPrompt
 from cacheblend_rag.bench.requests import BlendRequest, run_request
 from cacheblend_rag.bench.stores import ChunkStoreFactory
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.calibrated import describe_config
+from cacheblend_rag.calibration.lookup import describe_config
 from cacheblend_rag.engine.generate import eos_token_ids
 
 PEERS_HINT = "install the peers with `make peers` (kvboost==0.9.0, llama-cpp-python built from source)"

@@ -15,7 +15,7 @@ harness does (:mod:`cacheblend_rag.bench.runner`: same prompts, same stores, sam
   step exactly while the setting ranks that token first, so the answer is identical if and only if
   every position agrees (one forward over the answer instead of one per token; no extra decoding);
 * cost: ``work`` (default, deterministic): the layer-units the setting computes, from the model's
-  shapes (:func:`cacheblend_rag.bench.bound.work_bound` with the tokens the engine really
+  shapes (:func:`cacheblend_rag.calibration.bound.work_bound` with the tokens the engine really
   recomputed, and the profile pass's tokens and layers), over full prefill's; or ``ttft``: the
   measured TTFT over full prefill's. On a GPU, calibrate with ``ttft`` on the GPU itself: there a
   blend's time is mostly the host's fixed costs, and a higher ratio costs far less than ``work`` says.
@@ -24,13 +24,13 @@ The chosen setting is the cheapest that meets the target (:class:`CalibrationTar
 least ``target.recovery``, at most ``target.allow_worse`` prompts worse than full reuse, and the answer
 targets given). When none does, that is said (``target_met`` false, ``message``, with the best each
 measure reached) and the best measured one is chosen, or full reuse when it is closer to full prefill
-than every affordable candidate (:func:`~cacheblend_rag.bench.calibration_choice.choose`). The result
-is saved per model fingerprint and device type (:mod:`cacheblend_rag.engine.calibrated`), where the
+than every affordable candidate (:func:`~cacheblend_rag.calibration.choice.choose`). The result
+is saved per model fingerprint and device type (:mod:`cacheblend_rag.calibration.lookup`), where the
 engine and the integrations find it.
 
 Every measurement is written to a JSON state file as it is made (atomically: a stop leaves a
 valid file), keyed by the model's fingerprint, a hash of the prompt's token ids and the setting,
-so a rerun with ``resume=True`` skips what is there (:mod:`~cacheblend_rag.bench.calibration_state`).
+so a rerun with ``resume=True`` skips what is there (:mod:`~cacheblend_rag.calibration.state`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from typing import Any, Literal, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from cacheblend_rag.bench.bound import LayerShapes, work_bound
-from cacheblend_rag.bench.calibration_choice import CalibrationTarget, CandidateOutcome, choose
-from cacheblend_rag.bench.calibration_state import (
+from cacheblend_rag.calibration.bound import LayerShapes, work_bound
+from cacheblend_rag.calibration.choice import CalibrationTarget, CandidateOutcome, choose
+from cacheblend_rag.calibration.state import (
     STATE_FORMAT,
     CalibrationState,
     default_state_path,
@@ -62,7 +62,7 @@ from cacheblend_rag.bench.requests import BlendRequest, FullPrefillRequest, Requ
 from cacheblend_rag.bench.stores import ChunkStoreFactory
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.calibrated import CALIBRATED_FIELDS, FORMAT, VERSION, describe_config, save_calibration
+from cacheblend_rag.calibration.lookup import CALIBRATED_FIELDS, FORMAT, VERSION, describe_config, save_calibration
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.dtype_choice import dtype_name
@@ -71,8 +71,7 @@ from cacheblend_rag.models.fingerprint import weights_identities, weights_shape
 logger = logging.getLogger(__name__)
 
 CostKind = Literal["work", "ttft"]
-# The target, outcome and state classes live in calibration_choice and calibration_state; importable from here as
-# before they moved.
+# The target, outcome and state classes live in choice and state; importable from here too.
 __all__ = ["CalibrationResult", "CalibrationState", "CalibrationTarget", "Calibrator", "Candidate", "CandidateOutcome",
            "DEFAULT_CANDIDATES", "STATE_FORMAT", "calibrate", "default_state_path", "parse_candidates", "prompt_key",
            "summarize", "work_share"]
@@ -189,7 +188,7 @@ class CalibrationResult:
         }
 
     def save(self, directory: str | os.PathLike[str] | None = None) -> Path:
-        """Write the result where the engine looks for this model's (:func:`~cacheblend_rag.engine.calibrated.calibration_dir`)."""
+        """Write the result where the engine looks for this model's (:func:`~cacheblend_rag.calibration.lookup.calibration_dir`)."""
         return save_calibration(self.to_document(), directory)
 
     def table(self) -> str:

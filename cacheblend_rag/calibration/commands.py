@@ -1,6 +1,6 @@
 """``cacheblend-rag calibrate``: measure candidate blend settings on a few prompts and save the
 cheapest that meets the fidelity target (KL, and answers when asked), for this model on this device
-type (:mod:`cacheblend_rag.bench.calibration`). On a GPU, run it there with ``--cost ttft``: the
+type (:mod:`cacheblend_rag.calibration.measure`). On a GPU, run it there with ``--cost ttft``: the
 engine prefers a setting measured on its own device type."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cacheblend_rag.bench.calibration import (
+from cacheblend_rag.calibration.measure import (
     DEFAULT_CANDIDATES,
     CalibrationTarget,
     calibrate,
@@ -21,7 +21,7 @@ from cacheblend_rag.bench.calibration import (
 from cacheblend_rag.bench.runner import answerable
 from cacheblend_rag.bench.prompt import BenchPrompt, MusiqueExample, build_prompt, load_musique
 from cacheblend_rag.engine.blend import CacheBlendEngine
-from cacheblend_rag.engine.calibrated import CALIBRATION_DIR_ENV
+from cacheblend_rag.calibration.lookup import CALIBRATION_DIR_ENV
 from cacheblend_rag.errors import CacheBlendError, ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")

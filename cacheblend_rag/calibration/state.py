@@ -1,6 +1,6 @@
 """A calibration's measurements so far, in a JSON state file written as each is made (atomically: a stop
 leaves a valid file), so that a rerun with ``resume`` makes only the missing ones
-(:mod:`cacheblend_rag.bench.calibration`)."""
+(:mod:`cacheblend_rag.calibration.measure`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag.bench.prompt import BenchPrompt
-from cacheblend_rag.engine.calibrated import LEGACY_DEVICE, VERSION, calibration_path, write_json_atomically
+from cacheblend_rag.calibration.lookup import LEGACY_DEVICE, VERSION, calibration_path, write_json_atomically
 
 logger = logging.getLogger(__name__)
 
