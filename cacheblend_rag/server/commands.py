@@ -20,9 +20,12 @@ import sys
 import typing
 from typing import Any, Callable
 
+from pydantic import ByteSize, ValidationError
+
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.server.options import DEFAULT_GRACEFUL_SHUTDOWN_S, ServerConfig, default_store_path
+from cacheblend_rag.serving.setting_groups import GROUPS, SettingsGroup
 from cacheblend_rag.store.store_key import require_store_key, store_key
 from cacheblend_rag.store.urls import redact
 
@@ -32,46 +35,13 @@ API_KEY_VARIABLE = "CACHEBLEND_API_KEY"
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="serve a model over HTTP: OpenAI's chat completions, with documents",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--model", default=DEFAULT_MODEL_NAME,
-                       help="the embedded SmolLM2-135M-Instruct (default), a catalog name (qwen2.5-coder-1.5b), a "
-                       "model folder, a .gguf file, a hub id, or tiny-<llama|mistral|qwen2|qwen3> (tests)")
-    serve.add_argument("--store", default=None, metavar="URL|PATH",
-                       help="where chunk K/V lives: a folder, memory, tiered:PATH[,SPEC] or redis://... "
-                       f"(default: {default_store_path()})")
-    serve.add_argument("--require-store-key", action="store_true",
-                       help="refuse to start without a store key ($CACHEBLEND_STORE_KEY): without one, anyone who can "
-                       "write the store can plant chunk K/V that steers the answers (a warning says so)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on every request but /health (default: "
                        f"${API_KEY_VARIABLE}, else none)")
-    serve.add_argument("--no-blend", action="store_true",
-                       help="answer every request by full prefill of its whole prompt (a baseline on the same server)")
-    serve.add_argument("--chunk-sharing", choices=("shared", "per_salt"), default=None,
-                       help="whether requests of different cache_salt share the chunk store: shared (default: a "
-                       "corpus is warmed once; another salt learns only that a chunk was seen) or per_salt (each "
-                       "salt's chunks keyed apart, so no hit tells one tenant of another's documents)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model's name in requests and responses (default: --model as given)")
-    serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                       help="requests that may wait beyond the running ones; one more gets 429 (default: 256)")
-    serve.add_argument("--kv-budget", default=None, metavar="SIZE",
-                       help="KV memory the running requests may hold together, e.g. 4GB (default: sized from the "
-                       "free memory)")
-    # The memory tier's size decides how much of a corpus each replica answers without a store read, so a
-    # benchmark of the replicas' routing (benchmarks/bench_replicas.py) has to set it below the corpus.
-    serve.add_argument("--resident-bytes", default=None, metavar="SIZE",
-                       help="host-memory tier of chunk K/V in front of the store, e.g. 1GB; 0 turns it off "
-                       "(default: 1 GiB on a CPU, at most a sixteenth of its memory; 2 GiB on a GPU)")
-    # The prompt caches grow until full: a soak reading RSS idle to idle (benchmarks/soak_replicas.py) fills them
-    # in its warm-up, as the in-process soak does, which needs them bounded below their defaults.
-    serve.add_argument("--prefix-cache-bytes", default=None, metavar="SIZE",
-                       help="host memory of the prompt-prefix K/V cache, e.g. 256MB; 0 turns it off (default: 256MB)")
-    serve.add_argument("--segment-cache-bytes", default=None, metavar="SIZE",
-                       help="host memory of the segment cache of prompt spans, e.g. 32MB; 0 turns it off (default: 64MB)")
-    serve.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the loader's choice)")
-    serve.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda if available)")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                        help="largest request body accepted, 413 beyond (default: 64 bytes a token of the context "
                        "window + 1 MiB)")
@@ -81,13 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds running requests get to finish on SIGINT/SIGTERM "
                        f"(default: {DEFAULT_GRACEFUL_SHUTDOWN_S})")
     serve.add_argument("--access-log", action="store_true", help="log one line per request (uvicorn's access log)")
-    serve.add_argument("--document-special-tokens", choices=("text", "control"), default=None,
-                       help="special-token strings (<|im_end|>, say) in documents and chunks: text (default: "
-                       "tokenized as the characters they spell, so a document cannot open a turn or end the text) or "
-                       "control (as control tokens, for trusted documents only); warm with the same")
     _add_replica_flags(serve.add_argument_group("replicas on Ray Serve (pip install 'cacheblend-rag[ray]')"))
-    _add_blend_flags(serve.add_argument_group("blend settings (default: the model's saved calibration, else "
-                                              "the built-in; each flag given overrides it)"))
+    for group in GROUPS.values():
+        if group.server_flags:
+            _add_group_flags(serve.add_argument_group(group.title), group)
     serve.set_defaults(func=_cmd_serve)
 
 
@@ -109,31 +76,35 @@ def _add_replica_flags(group: argparse._ArgumentGroup) -> None:
                        help="torch threads per replica (default: a local Ray shares the machine's cores out)")
 
 
-def _add_blend_flags(group: argparse._ArgumentGroup) -> None:
-    """One flag per BlendConfig field, typed from CacheBlendSettings' annotation, helped by its description."""
-    from cacheblend_rag.serving.arguments import BLEND_FIELDS
-    from cacheblend_rag.serving.settings import CacheBlendSettings
-
-    for name in BLEND_FIELDS:
-        info = CacheBlendSettings.model_fields[name]
-        flag = "--" + name.replace("_", "-")
+def _add_group_flags(parser: argparse._ArgumentGroup, group: type[SettingsGroup]) -> None:
+    """The group's server flags, each typed from the field's annotation and helped by the flag's own text, else
+    the field's description. A flag not given sets nothing (``SUPPRESS``), so the field keeps the settings' own
+    default, or the model's saved calibration for a blend field."""
+    for name, spec in group.server_flags.items():
+        info = group.model_fields[name]
+        help_text = spec.help or (info.description or "").rstrip(".") + f" (built-in: {info.default})"
+        common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         kind, optional = _field_type(info.annotation)
-        help_text = (info.description or "").rstrip(".").replace("%", "%%")
-        if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=f"{help_text} (built-in: {info.default})")
-            continue
-        group.add_argument(flag, dest=name, type=_parser(kind, optional), default=argparse.SUPPRESS,
-                           metavar=kind.__name__.upper() + ("|none" if optional else ""),
-                           help=f"{help_text} (built-in: {info.default})")
+        if spec.action is not None:
+            parser.add_argument(spec.flag, action=spec.action, **common)
+        elif kind is bool:
+            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **common)
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(spec.flag, choices=typing.get_args(kind), **common)
+        else:
+            if not isinstance(kind, type) or issubclass(kind, ByteSize):
+                kind = str  # a size (int or str, or pydantic's ByteSize): the text as given, read by the field
+            parser.add_argument(spec.flag, type=_parser(kind, optional),
+                                metavar=spec.metavar or kind.__name__.upper() + ("|none" if optional else ""), **common)
 
 
-def _field_type(annotation: Any) -> tuple[type, bool]:
-    """``Optional[float]`` -> ``(float, True)``; ``int`` -> ``(int, False)``."""
+def _field_type(annotation: Any) -> tuple[Any, bool]:
+    """``Optional[float]`` -> ``(float, True)``; ``int`` -> ``(int, False)``; ``Optional[Union[int, str]]`` ->
+    ``(Union[int, str], True)``."""
     args = typing.get_args(annotation)
     if args and type(None) in args:
         inner = [a for a in args if a is not type(None)]
-        return inner[0], True
+        return (inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]), True
     return annotation, False
 
 
@@ -148,39 +119,42 @@ def _parser(kind: type, optional: bool) -> Callable[[str], Any]:
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
-    from cacheblend_rag.serving.arguments import BLEND_FIELDS, checked_as_given
+    from cacheblend_rag.serving.arguments import checked_as_given
 
-    settings: dict[str, Any] = {name: getattr(args, name) for name in BLEND_FIELDS if hasattr(args, name)}
-    checked_as_given(settings)  # a bad value fails now, not after the socket is up and the model loaded
-    if args.no_blend:
-        settings["reuse_chunk_kv"] = False
-    if args.require_store_key:
+    given = {name: getattr(args, name) for group in GROUPS.values() for name in group.server_flags
+             if hasattr(args, name)}
+    model, store = given.pop("model", DEFAULT_MODEL_NAME), given.pop("store_path", None)
+    checked_as_given(given)  # a bad value fails now, not after the socket is up and the model loaded
+    for group in GROUPS.values():
+        _check_group(group, {name: value for name, value in given.items() if name in group.model_fields})
+    if given.get("require_store_key"):
         # Before the socket is bound: the key is read from the environment only (a flag would show it in ps).
         require_store_key(store_key(None) is not None, "--require-store-key")
-        settings["require_store_key"] = True
-    if args.document_special_tokens is not None:
-        settings["document_special_tokens"] = args.document_special_tokens
-    sizes = {"resident_bytes": args.resident_bytes, "prefix_cache_bytes": args.prefix_cache_bytes,
-             "segment_cache_bytes": args.segment_cache_bytes}
-    from cacheblend_rag.store.factory import parse_size
-
-    for size in sizes.values():
-        if size is not None:
-            parse_size(size)  # a misspelt size fails now (ConfigError), not after the model loaded
-    for name, value in (("device", args.device), ("dtype", args.dtype), ("kv_budget_bytes", args.kv_budget),
-                        ("max_queued_requests", args.max_queued_requests), ("chunk_sharing", args.chunk_sharing),
-                        *sizes.items()):
-        if value is not None:
-            settings[name] = value
+    settings: dict[str, Any] = given
     http: dict[str, Any] = {}
     if args.default_max_tokens is not None:
         if args.default_max_tokens < 1:
             raise ConfigError(f"--max-tokens {args.default_max_tokens} must be at least 1")
         http["default_max_tokens"] = args.default_max_tokens
-    return ServerConfig(model=args.model, store=args.store or default_store_path(), settings=settings,
+    return ServerConfig(model=model, store=store or default_store_path(), settings=settings,
                         served_model_name=args.served_model_name,
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                         max_body_bytes=args.max_body_bytes, **http)
+
+
+def _check_group(group: type[SettingsGroup], values: dict[str, Any]) -> None:
+    """The flags' values as their group's fields take them: a misspelt size or choice fails before the model loads."""
+    try:
+        group(**values)
+    except ValidationError as error:
+        problems = "; ".join(f"{_flag_of(group, str(e['loc'][0]) if e['loc'] else '')}: {e['msg']}"
+                             for e in error.errors())
+        raise ConfigError(problems) from None
+
+
+def _flag_of(group: type[SettingsGroup], name: str) -> str:
+    spec = group.server_flags.get(name)
+    return spec.flag if spec is not None else name
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -237,7 +211,7 @@ def _serve_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
         return 2
     from cacheblend_rag.server.replicas.launch import ReplicaOptions, check_shared_store, run
 
-    if args.store is None:
+    if getattr(args, "store_path", None) is None:
         raise ConfigError("--ray needs --store: the replicas share chunk K/V through one Redis, "
                           "e.g. --store redis://127.0.0.1:6379/0")
     options = ReplicaOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,

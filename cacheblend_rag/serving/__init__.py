@@ -38,6 +38,14 @@ from cacheblend_rag.serving.scheduler import RequestCancelled, RequestHandle, Re
 from cacheblend_rag.serving.service import BlendService, PreparedPrompt, Served, ServedStream
 from cacheblend_rag.serving.arguments import BLEND_FIELDS, SAMPLING_FIELDS, call_answer_length, unknown_names_error
 from cacheblend_rag.serving.settings import CacheBlendSettings
+from cacheblend_rag.serving.setting_groups import (
+    BlendingSettings,
+    CacheSettings,
+    LoadingSettings,
+    SamplingSettings,
+    SchedulingSettings,
+    StorageSettings,
+)
 from cacheblend_rag.serving.chat_turn import (
     ChatTurn,
     Document,
@@ -67,7 +75,8 @@ __all__ = [
     "RequestCancelled", "RequestHandle", "RequestScheduler", "SchedulerConfig", "SchedulerFullError",
     "SegmentCache", "Served", "ServedStream", "chunk_cache_for", "prefix_cache_for", "segment_cache_for",
     "scheduler_for", "release_engine", "chunk_text", "chunk_texts", "shared_engine", "slot_for",
-    "unknown_names_error", "call_answer_length",
+    "unknown_names_error", "call_answer_length", "BlendingSettings", "CacheSettings", "LoadingSettings",
+    "SamplingSettings", "SchedulingSettings", "StorageSettings",
     "ChatTurn", "Document", "ReasoningDelta", "TextDelta", "ToolCalls", "TurnEnd", "TurnEvent", "render_turn",
     "run_turn", "RemoteChat", "RemoteServerError",
     "BlendConfig", "GenerationConfig", "TokenCounter", "iterate_in_thread", "run_in_thread", "CacheBlendEngine", "BlendInputError", "ContextWindowError",
