@@ -67,7 +67,7 @@ from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.serving import shared_engine
-from cacheblend_rag.serving.service import PreparedPrompt
+from cacheblend_rag.reuse.plan import PreparedPrompt
 from langchain_cacheblend import ChatCacheBlend, cacheblend_retriever_tool
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"

@@ -68,7 +68,7 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
-from cacheblend_rag.prompting import default_conditioning_prefix
+from cacheblend_rag.reuse.prompt import default_conditioning_prefix
 from cacheblend_rag.serving import shared_engine
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.prompting import chunk_texts, default_conditioning_prefix
+from cacheblend_rag.reuse.prompt import chunk_texts, default_conditioning_prefix
 from cacheblend_rag.store.base import KVStore
 from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES
 from cacheblend_rag.store.factory import open_store

@@ -29,7 +29,7 @@ from cacheblend_rag.bench.metrics import token_kl, top1_agreement
 from cacheblend_rag.bench.prompt import load_musique
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.prompting import default_conditioning_prefix
+from cacheblend_rag.reuse.prompt import default_conditioning_prefix
 from cacheblend_rag.serving import shared_engine, slot_for
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
 

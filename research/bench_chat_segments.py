@@ -35,11 +35,11 @@ from cacheblend_rag import BlendConfig, CacheBlendEngine, CachedSegment, FreshSe
 from cacheblend_rag.bench.metrics import token_kl
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.data import DemoQuestion, load_demo_corpus, load_demo_questions
-from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.reuse.prefix_cache import PrefixCache
 from cacheblend_rag.kv.segments import PrefixSegment
-from cacheblend_rag.prompting import chunk_text, default_conditioning_prefix
+from cacheblend_rag.reuse.prompt import chunk_text, default_conditioning_prefix
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
-from cacheblend_rag.serving.segment_cache import SegmentCache
+from cacheblend_rag.reuse.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache
 
 LEAD = ("The following is a friendly conversation between a user and an AI assistant. The assistant is talkative "

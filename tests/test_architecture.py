@@ -28,23 +28,31 @@ ALLOWED: dict[str, set[str]] = {
     # The saved calibration settings, which the engine reads: a floor of its own below the engine, while the rest of
     # calibration/ (measuring, choosing, the command) stands on the benchmark harness, above it.
     "calibration.lookup": {"config", "errors", "models"},
-    "engine": {"config", "errors", "models", "kv", "calibration.lookup"},
+    # The text-to-token mapping of prompt K/V reuse: a floor of its own below the engine, which tokenizes with it.
+    "reuse.text": {"errors"},
+    "engine": {"config", "errors", "models", "kv", "calibration.lookup", "reuse.text"},
     "store": {"kv", "config", "errors", "models"},  # no module of engine/ (issue 72, item 3)
-    "prompting": {"engine", "kv"},
+    # Prompt K/V reuse, one room: the prompt split, the announced chunks, the prefix and segment caches, and the plan
+    # of where each span's K/V comes from (issue 72, item 2).
+    "reuse": {"engine", "kv", "store", "config", "errors", "models", "reuse.text"},
     # `cacheblend-rag warm` and `cache stats`: an engine computes what the store keeps.
-    "store_commands": {"store", "engine", "prompting", "kv", "config", "errors", "models"},
+    "store_commands": {"store", "engine", "reuse", "kv", "config", "errors", "models"},
     "testing": {"engine", "config", "models"},
     "testing_tools": {"testing"},
     # No production module imports testing (the tiny-* names load from models.tiny and engine.tiny).
-    "serving": {"engine", "store", "kv", "prompting", "config", "errors", "models", "concurrency", "calibration.lookup"},
-    "bench": {"engine", "store", "kv", "prompting", "config", "errors", "models", "data", "__init__", "calibration.lookup"},
-    "calibration": {"bench", "engine", "store", "kv", "prompting", "config", "errors", "models", "data",
+    "serving": {"engine", "store", "kv", "reuse", "config", "errors", "models", "concurrency", "calibration.lookup"},
+    "bench": {"engine", "store", "kv", "reuse", "config", "errors", "models", "data", "__init__", "calibration.lookup"},
+    "calibration": {"bench", "engine", "store", "kv", "reuse", "config", "errors", "models", "data",
                     "calibration.lookup"},
     # The HTTP server: a client of the serving layer, as the integrations are.
-    "server": {"serving", "engine", "store", "prompting", "config", "errors", "models", "concurrency"},
+    "server": {"serving", "engine", "store", "reuse", "config", "errors", "models", "concurrency"},
     "cli": {"store_commands", "bench", "calibration", "models", "errors", "server"},  # the command groups, imported by name
     "__init__": {"config", "engine", "errors", "models"},
 }
+# A floor of its own inside a room is still the room's to its users: who may import reuse/ may import reuse.text.
+for _allowed in ALLOWED.values():
+    if "reuse" in _allowed:
+        _allowed.add("reuse.text")
 FRAMEWORKS = ("llama_index", "langchain", "langchain_core", "langchain_cacheblend")
 
 
@@ -118,8 +126,8 @@ GRAPH = {name: {i: kinds for i, kinds in imported.items() if i in EVERY_MODULE} 
 
 
 def _part(module: str) -> str:
-    if module == "cacheblend_rag.calibration.lookup":
-        return "calibration.lookup"
+    if module in ("cacheblend_rag.calibration.lookup", "cacheblend_rag.reuse.text"):
+        return module.removeprefix("cacheblend_rag.")
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from cacheblend_rag.prompting import split_prompt
+from cacheblend_rag.reuse.prompt import split_prompt
 
 # Token counts every per-turn record carries, as the stats of a response name them.
 TOKEN_STATS = ("exact_tokens", "reused_tokens", "recomputed_tokens", "fresh_tokens")

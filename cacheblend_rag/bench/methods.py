@@ -12,7 +12,7 @@ Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO][:STORAGE]``.
   the blend with that selection, at every ratio.
 - ``+prefix``: passages are precomputed behind the prompt text that really precedes them
   (the rendered system turn, the user header and ``Passages:``) and the stand-in passage of
-  ``cacheblend_rag.prompting``, instead of behind nothing.
+  ``cacheblend_rag.reuse.prompt``, instead of behind nothing.
   Only methods that reuse chunk KV (``full_reuse`` and blends) take it.
 - ``:STORAGE``: the chunk KV of this method is stored with this codec (``int8``, ``int4``,
   ``float16``, ...; :mod:`cacheblend_rag.store.codec`) instead of the run's ``--storage-dtype``.

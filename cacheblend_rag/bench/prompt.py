@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from cacheblend_rag.kv.segments import FreshSegment, Segment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
-from cacheblend_rag.prompting import STAND_IN_PASSAGE, split_prompt
+from cacheblend_rag.reuse.prompt import STAND_IN_PASSAGE, split_prompt
 
 SYSTEM_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
@@ -94,7 +94,7 @@ class BenchPrompt:
     tail_ids: list[int]  # question with its instruction, end of turn, assistant opener
     text: str  # the rendered chat text, for reference
     passage_texts: list[str] = field(default_factory=list)
-    stand_in_ids: list[int] = field(default_factory=list)  # the stand-in passage (cacheblend_rag.prompting)
+    stand_in_ids: list[int] = field(default_factory=list)  # the stand-in passage (cacheblend_rag.reuse.prompt)
 
     @property
     def input_ids(self) -> list[int]:

@@ -3,7 +3,6 @@
 from cacheblend_rag.engine.blend import CacheBlendEngine
 from cacheblend_rag.engine.generate import GenerationResult, GenerationStream
 from cacheblend_rag.kv.source import CachedKVSource, InMemoryKVSource, KVSourceProvider
-from cacheblend_rag.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.kv.segments import CachedSegment, ChunkKV, FreshSegment, PrefixSegment, StoredSegment
 from cacheblend_rag.engine.selection import (
@@ -16,8 +15,7 @@ from cacheblend_rag.engine.selection import (
 
 __all__ = [
     "BlendResult", "BlendStats", "CacheBlendEngine", "CachedKVSource", "CachedSegment", "ChunkKV",
-    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "KVSourceProvider", "PrefixCache",
-    "PrefixCacheStats", "PrefixSegment",
+    "FreshSegment", "GenerationResult", "GenerationStream", "InMemoryKVSource", "KVSourceProvider", "PrefixSegment",
     "SelectionStrategy", "StoredSegment", "available_strategies", "build_strategy", "get_strategy",
     "register_strategy",
 ]

@@ -34,7 +34,7 @@ from cacheblend_rag.engine.precompute import precompute_chunks
 from cacheblend_rag.engine.results import BlendResult, BlendStats
 from cacheblend_rag.kv.segments import ChunkKV, FreshSegment, PrefixSegment, Segment, SegmentLike, as_token_ids
 from cacheblend_rag.engine.selection import SelectionStrategy, build_strategy
-from cacheblend_rag.engine.text import token_ids
+from cacheblend_rag.reuse.text import token_ids
 from cacheblend_rag.engine.validation import validate_segments
 from cacheblend_rag.errors import BlendInputError, ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.adapters import DecoderAdapter, get_adapter
@@ -194,7 +194,7 @@ class CacheBlendEngine:
         """Token ids of ``text`` with no special tokens added (segments are tokenized on their own).
         Text that is not valid Unicode is a :class:`BlendInputError` naming ``what`` and the position.
         ``special_tokens="text"`` tokenizes special-token strings in it as plain text, as a document's are
-        (:func:`~cacheblend_rag.engine.text.document_ids`); ``"control"``, the tokenizer's way, is a prompt's."""
+        (:func:`~cacheblend_rag.reuse.text.document_ids`); ``"control"``, the tokenizer's way, is a prompt's."""
         return token_ids(self.tokenizer, text, what=what, special_tokens=special_tokens)
 
     def check_vocabulary(self, ids: Sequence[int], what: str) -> Sequence[int]:

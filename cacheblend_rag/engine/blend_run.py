@@ -28,7 +28,7 @@ import torch
 
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.attention import PartialAttention, causal_attention, question_attention
-from cacheblend_rag.engine.generate import decoding_cache
+from cacheblend_rag.engine.decoding_cache import decoding_cache
 from cacheblend_rag.kv.source import CachedKVSource
 from cacheblend_rag.engine.layout import MergedLayers, PromptLayout
 from cacheblend_rag.engine.profile import Profile, profile_question

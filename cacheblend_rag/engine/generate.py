@@ -8,9 +8,6 @@ import time
 from dataclasses import fields
 from typing import Any, Generic, Iterable, Iterator, Protocol, TypeVar
 
-import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine.decode import Decoding, DecodingModel, decode_logits
@@ -31,22 +28,6 @@ class BlendingModel(DecodingModel, Protocol):
         self, segments: Iterable[SegmentLike], *, config: BlendConfig | None = None,
         store: KVSourceProvider | None = None, room: int = 0,
     ) -> BlendResult: ...
-
-
-def decoding_cache(model_config: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-    """A transformers cache holding each layer's merged K (rotated) and V, for the model's own forward."""
-    cache = DynamicCache(config=model_config)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        slot = cache.layers[layer] if layer < len(getattr(cache, "layers", ())) else None
-        if type(slot) is DynamicLayer and not slot.is_initialized:
-            # A plain layer's first update concatenates onto an empty tensor, which copies the
-            # whole merged layer (docs/design.md, "Blend", step 5, has its cost), and even an empty
-            # update makes two tensors and two copies a layer. The merged tensors are ours to hand
-            # over: the layer is left as its first update would leave it (a test holds the two equal).
-            slot.device, slot.keys, slot.values, slot.is_initialized = k.device, k, v, True
-        else:  # sliding-window and other layer kinds keep their own bookkeeping
-            cache.update(k, v, layer)
-    return cache
 
 
 def eos_token_ids(engine: DecodingModel) -> set[int]:
@@ -169,5 +150,5 @@ def _decode(
     holder["result"] = decoding.result()
 
 
-__all__ = ["BlendingModel", "GenerationStream", "TextStream", "TokenSampler", "decoding_cache", "eos_token_ids",
+__all__ = ["BlendingModel", "GenerationStream", "TextStream", "TokenSampler", "eos_token_ids",
            "run_generation", "start_decoding"]

@@ -111,7 +111,7 @@ class StoredSegment:
 @dataclass(frozen=True, eq=False)
 class PrefixSegment:
     """The opening tokens of a prompt with the K/V full prefill computes for them, from a prefix cache
-    (:mod:`~cacheblend_rag.engine.prefix_cache`). Always the first segment; its exact tokens are
+    (:mod:`~cacheblend_rag.reuse.prefix_cache`). Always the first segment; its exact tokens are
     reused as is, never recomputed, outside the budget.
 
     ``kv`` is ``[layers, 2, kv_heads, n, head_dim]``: keys (index 0) *rotated* at positions

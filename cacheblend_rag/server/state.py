@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 from cacheblend_rag.engine import gate
-from cacheblend_rag.engine.text import checked_text
-from cacheblend_rag.prompting import prompt_ids, spelling_special_tokens
+from cacheblend_rag.reuse.text import checked_text
+from cacheblend_rag.reuse.prompt import prompt_ids, spelling_special_tokens
 from cacheblend_rag.server.options import ServerConfig
 from cacheblend_rag.serving.chat_turn import ChatTurn, run_turn
 from cacheblend_rag.serving.settings import CacheBlendSettings

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.errors import BlendInputError, ConfigError
-from cacheblend_rag.prompting import chunk_texts
+from cacheblend_rag.reuse.prompt import chunk_texts
 from cacheblend_rag.server.errors import APIError, api_error, context_length_error
 from cacheblend_rag.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from cacheblend_rag.server.state import ServerState

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 
 from cacheblend_rag.config import GenerationConfig
 from cacheblend_rag.errors import BlendInputError, ConfigError
-from cacheblend_rag.prompting import chunk_text
+from cacheblend_rag.reuse.prompt import chunk_text
 from cacheblend_rag.serving.answer_stream import AnswerStream
 from cacheblend_rag.serving.tool_chat import render_chat
 from cacheblend_rag.serving.tool_formats import template_text, tool_format

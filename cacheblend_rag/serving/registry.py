@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from cacheblend_rag.config import BlendConfig, SchedulerConfig
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.reuse.prefix_cache import PrefixCache
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.serving.engine_key import (
     TINY_ARCHITECTURES,
@@ -31,7 +31,7 @@ from cacheblend_rag.serving.engine_key import (
     loader_model_argument,
 )
 from cacheblend_rag.serving.scheduler import RequestScheduler
-from cacheblend_rag.serving.segment_cache import SegmentCache
+from cacheblend_rag.reuse.segment_cache import SegmentCache
 from cacheblend_rag.store import ChunkCache, KVStore, MemoryKVStore, open_store, parse_size
 from cacheblend_rag.store.prefix_blocks import StorePrefixBlocks
 from cacheblend_rag.store.urls import with_password
@@ -226,7 +226,7 @@ def prefix_cache_for(engine: CacheBlendEngine, chunk_cache: ChunkCache, max_byte
 
 
 def segment_cache_for(engine: CacheBlendEngine, max_bytes: int) -> SegmentCache | None:
-    """The segment cache of ``engine`` (recent spans after the chunks, :mod:`~cacheblend_rag.serving.segment_cache`),
+    """The segment cache of ``engine`` (recent spans after the chunks, :mod:`~cacheblend_rag.reuse.segment_cache`),
     holding at most ``max_bytes``; ``None`` for 0 or an engine without a layer-wise adapter. One per engine,
     grown to the largest bound asked for."""
     if max_bytes <= 0 or engine.adapter is None:

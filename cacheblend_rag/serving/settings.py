@@ -25,7 +25,7 @@ from cacheblend_rag.config import BlendConfig, GenerationConfig
 from cacheblend_rag.engine import CacheBlendEngine, build_strategy
 from cacheblend_rag.errors import ConfigError, UnsupportedArchitectureError
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
-from cacheblend_rag.prompting import default_conditioning_prefix
+from cacheblend_rag.reuse.prompt import default_conditioning_prefix
 from cacheblend_rag.serving.arguments import (
     BLEND_FIELDS,
     SAMPLING_FIELDS,
@@ -35,7 +35,7 @@ from cacheblend_rag.serving.arguments import (
     with_generate_kwargs,
 )
 from cacheblend_rag.serving.chat_turn import ChatTurn, TurnEvent, appears_in, run_turn
-from cacheblend_rag.serving.chunks import AnnouncedChunks
+from cacheblend_rag.reuse.announced import AnnouncedChunks
 from cacheblend_rag.serving.pickling import PicklesWithoutEngine
 from cacheblend_rag.serving.registry import chunk_cache_for, prefix_cache_for, scheduler_for, segment_cache_for
 from cacheblend_rag.serving.registry import shared_engine

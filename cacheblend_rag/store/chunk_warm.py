@@ -68,7 +68,7 @@ class ChunkWarming:
 
         ``special_tokens``: how special-token strings in a chunk's text are tokenized: ``"text"`` (the
         default) as the plain text they spell, ``"control"`` as control tokens, for trusted text
-        (:func:`~cacheblend_rag.engine.text.document_ids`). Prompts must find the chunk under the same
+        (:func:`~cacheblend_rag.reuse.text.document_ids`). Prompts must find the chunk under the same
         ids: the integrations and the server tokenize chunks the way their ``document_special_tokens`` says.
 
         A chunk that opens a prompt behind nothing is an exact prefix of the blend (reused as is,

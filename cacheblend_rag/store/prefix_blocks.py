@@ -1,6 +1,6 @@
 """Prefix-cache blocks in a KV store, so replicas sharing the store share prompt prefixes.
 
-A block (:mod:`cacheblend_rag.engine.prefix_cache`) is stored as a chunk entry is: one value per
+A block (:mod:`cacheblend_rag.reuse.prefix_cache`) is stored as a chunk entry is: one value per
 layer holding its keys (rotated, as the prefix cache keeps them) and values, in the store's safe
 format (:mod:`cacheblend_rag.store.format`: bounded, tagged, never unpickled, MAC'd in
 authenticated mode), and a manifest written last. Blocks are always stored losslessly, in the
@@ -9,7 +9,7 @@ model's own dtype: a prefix is reused as exact K/V, and rounded K/V would not be
 Store keys are ``prefix-`` and the block's chain key (SHA-256 of the fingerprint, the parent's key
 and the block's token ids), so a block entry is never taken for a chunk entry, and ``cache stats``
 counts blocks apart. An approximate block (an earlier blend's K/V,
-:mod:`~cacheblend_rag.engine.prefix_cache`) is stored under ``prefix-approx-`` and its chain key:
+:mod:`~cacheblend_rag.reuse.prefix_cache`) is stored under ``prefix-approx-`` and its chain key:
 the flag is the entry's name, which its manifest carries under its checksum or MAC, and a reader
 checks the manifest's key against the name it asked for. So an entry is only read as exact under
 the exact name it was written to; an approximate one copied or renamed there fails that check (it
@@ -38,7 +38,7 @@ from cacheblend_rag.store.keys import prefix_block_key
 
 
 class StorePrefixBlocks:
-    """A :class:`~cacheblend_rag.engine.prefix_cache.PrefixBlockStore` over ``chunk_cache``'s store,
+    """A :class:`~cacheblend_rag.reuse.prefix_cache.PrefixBlockStore` over ``chunk_cache``'s store,
     its validation rules, its tags (checksum or MAC) and its writer thread."""
 
     def __init__(self, chunk_cache: ChunkCache) -> None:

@@ -17,7 +17,7 @@ from cacheblend_rag.bench.prompt import (
 from cacheblend_rag.kv.segments import FreshSegment, StoredSegment
 from cacheblend_rag.errors import BlendInputError, ConfigError
 from cacheblend_rag.testing import tiny_tokenizer
-from cacheblend_rag.prompting import STAND_IN_PASSAGE
+from cacheblend_rag.reuse.prompt import STAND_IN_PASSAGE
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py) and blends that open with a cached prefix."""
+"""The prefix cache (cacheblend_rag/reuse/prefix_cache.py) and blends that open with a cached prefix."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
-from cacheblend_rag.engine.prefix_cache import PrefixCache, block_keys
+from cacheblend_rag.reuse.prefix_cache import PrefixCache, block_keys
 from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.engine.selection import selection_budget
 from cacheblend_rag.errors import BlendInputError, ChunkMismatchError, ConfigError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag import BlendInputError
-from cacheblend_rag.prompting import split_prompt, to_segments_in_context
+from cacheblend_rag.reuse.prompt import split_prompt, to_segments_in_context
 from cacheblend_rag.store import ChunkCache
 
 

@@ -8,7 +8,7 @@ import uuid
 import httpx
 import pytest
 
-from cacheblend_rag.prompting import prompt_ids
+from cacheblend_rag.reuse.prompt import prompt_ids
 from cacheblend_rag.serving import ChatTurn, render_turn
 
 TINY_MODEL = "tiny-llama"  # the model of tests/server/conftest.py's tiny_settings

@@ -8,7 +8,7 @@ import pytest
 
 from cacheblend_rag.kv.segments import StoredSegment
 from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, TurnEnd, run_turn
-from cacheblend_rag.serving.chunks import AnnouncedChunks, chunk_tiers
+from cacheblend_rag.reuse.announced import AnnouncedChunks, chunk_tiers
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
 from cacheblend_rag.store.errors import StoreError
 from cacheblend_rag.testing import tiny_engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.prompting import STAND_IN_PASSAGE, default_conditioning_prefix, template_lead
+from cacheblend_rag.reuse.prompt import STAND_IN_PASSAGE, default_conditioning_prefix, template_lead
 from cacheblend_rag.testing import tiny_engine
 
 

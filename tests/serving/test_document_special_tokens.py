@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag.kv.segments import StoredSegment
-from cacheblend_rag.engine.text import document_ids
+from cacheblend_rag.reuse.text import document_ids
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.prompting import prompt_ids, split_prompt, to_segments_in_context
+from cacheblend_rag.reuse.prompt import prompt_ids, split_prompt, to_segments_in_context
 from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, TurnEnd, run_turn
 from cacheblend_rag.store import ChunkCache
 from cacheblend_rag.testing import tiny_engine

@@ -10,7 +10,7 @@ from llama_index.llms.cacheblend import CacheBlendLLM
 from pydantic import ValidationError
 
 from cacheblend_rag import BlendConfig, GenerationConfig
-from cacheblend_rag.engine.prefix_cache import PrefixCache
+from cacheblend_rag.reuse.prefix_cache import PrefixCache
 from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
@@ -129,7 +129,7 @@ def test_blocks_written_through_a_shared_store_serve_another_replica_and_a_damag
 
     # Damage the second block's first layer value in the store; a third replica meets it.
     second_block = engine.tokenize(prompt)
-    from cacheblend_rag.engine.prefix_cache import block_keys
+    from cacheblend_rag.reuse.prefix_cache import block_keys
     name = BLOCK_KEY_PREFIX + block_keys(engine.fingerprint, second_block, 16)[1]
     manifest = peek_manifest(store.get_manifest(name))
     value = bytearray(store.get_layer(name, manifest.write_id, 0))
@@ -221,7 +221,7 @@ def rag_chat(engine, history, question, chunk=CHUNK):
 
 
 def test_the_system_prompt_and_earlier_turns_after_the_chunks_come_back_as_a_cached_segment(engine):
-    from cacheblend_rag.serving.segment_cache import SegmentCache
+    from cacheblend_rag.reuse.segment_cache import SegmentCache
 
     spans = SegmentCache(1 << 24, fingerprint=engine.fingerprint)
     service = BlendService(engine, ChunkCache(engine), AnnouncedChunks(8), PrefixCache(1 << 24), spans)
@@ -251,7 +251,7 @@ def test_the_system_prompt_and_earlier_turns_after_the_chunks_come_back_as_a_cac
 
 
 def test_segment_cache_keeps_the_longest_span_within_its_bound(engine):
-    from cacheblend_rag.serving.segment_cache import SegmentCache
+    from cacheblend_rag.reuse.segment_cache import SegmentCache
 
     def kv(n):
         return [torch.ones(2, n, 16)] * 4, [torch.ones(2, n, 16)] * 4
@@ -367,7 +367,7 @@ def test_approximate_blocks_are_ignored_at_ratio_one_full_prefill_and_reuse_off(
 
 
 def test_approximate_blocks_keep_their_flag_through_a_shared_store(engine):
-    from cacheblend_rag.engine.prefix_cache import block_keys
+    from cacheblend_rag.reuse.prefix_cache import block_keys
     from cacheblend_rag.store.prefix_blocks import APPROXIMATE_BLOCK_KEY_PREFIX
 
     store = MemoryKVStore()
@@ -435,7 +435,7 @@ def test_an_approximate_prefix_is_cut_back_to_a_chunk_or_span_it_would_end_insid
     that open alike), or into its history after the chunks where the segment cache holds more of it,
     end where that chunk or span starts: the chunk is blended whole, the span comes from the segment cache."""
     from cacheblend_rag.kv.segments import CachedSegment, StoredSegment
-    from cacheblend_rag.serving.segment_cache import SegmentCache
+    from cacheblend_rag.reuse.segment_cache import SegmentCache
 
     alike = "Marie Curie was born in Warsaw, the capital of Poland, and moved to Paris to study physics."
     spans = SegmentCache(1 << 24, fingerprint=engine.fingerprint)

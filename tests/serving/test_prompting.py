@@ -1,9 +1,9 @@
-"""cacheblend_rag.prompting.to_segments_in_context, which ChatCacheBlend uses to turn prompts into segments."""
+"""cacheblend_rag.reuse.prompt.to_segments_in_context, which ChatCacheBlend uses to turn prompts into segments."""
 
 from __future__ import annotations
 
 from cacheblend_rag.kv.segments import FreshSegment, StoredSegment
-from cacheblend_rag.prompting import split_prompt, to_segments, to_segments_in_context
+from cacheblend_rag.reuse.prompt import split_prompt, to_segments, to_segments_in_context
 from cacheblend_rag.testing import tiny_tokenizer
 
 CHUNKS = ["Paris is the capital of France.", "The Amazon river flows through Brazil."]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cacheblend_rag.config import BlendConfig
-from cacheblend_rag.prompting import chunk_text
+from cacheblend_rag.reuse.prompt import chunk_text
 from cacheblend_rag.serving import CacheBlendSettings, ChatTurn, TurnEnd, render_turn
 from cacheblend_rag.testing import tiny_engine
 

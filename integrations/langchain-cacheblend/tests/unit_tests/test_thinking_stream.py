@@ -95,7 +95,7 @@ def test_text_held_back_as_a_possible_call_goes_out_before_the_requests_bookkeep
     # out at once, not after the request's K/V is kept for the next call (what result() waits for).
     llm = scripted(tiny_engine("llama"), CALL[2:], monkeypatch)
     entered, release, left = threading.Event(), threading.Event(), threading.Event()
-    keep = llm.service._after
+    keep = llm.service.reuse.keep
 
     def slow_keep(*args: Any) -> Any:
         entered.set()
@@ -103,7 +103,7 @@ def test_text_held_back_as_a_possible_call_goes_out_before_the_requests_bookkeep
         left.set()
         return keep(*args)
 
-    monkeypatch.setattr(llm.service, "_after", slow_keep)
+    monkeypatch.setattr(llm.service.reuse, "keep", slow_keep)
     chunks = iter(llm.bind_tools([weather]).stream("What is the weather in Paris?"))
     try:
         first = next(chunks)

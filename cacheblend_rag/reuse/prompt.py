@@ -8,7 +8,7 @@ concatenated, so a chunk's tokens are exactly those its cached KV was computed f
 
 Chunk text is a retrieved document: special-token strings in it (``<|im_end|>``, ``<|endoftext|>``) are
 tokenized as the plain text they spell unless ``special_tokens="control"`` says the documents are trusted
-(:func:`~cacheblend_rag.engine.text.document_ids`); the template and question around them are tokenized as
+(:func:`~cacheblend_rag.reuse.text.document_ids`); the template and question around them are tokenized as
 the tokenizer does, control tokens and all. Full prefill of a prompt takes the same ids
 (:func:`prompt_ids`), so ratio 1.0 stays exactly full prefill.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from cacheblend_rag.kv.segments import FreshSegment, Segment, StoredSegment
-from cacheblend_rag.engine.text import checked_text, document_ids
+from cacheblend_rag.reuse.text import checked_text, document_ids
 
 
 def chunk_text(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The chunk texts prompts will contain, in their one normal form (:func:`cacheblend_rag.prompting.chunk_text`)."""
+"""The chunk texts prompts will contain, in their one normal form (:func:`cacheblend_rag.reuse.prompt.chunk_text`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
 from cacheblend_rag.kv.segments import Segment, StoredSegment
-from cacheblend_rag.prompting import chunk_texts
+from cacheblend_rag.reuse.prompt import chunk_texts
 
 
 def chunk_tiers(stats: dict[str, Any]) -> dict[str, int]:
