@@ -34,8 +34,8 @@ VARIANTS = (*CODECS, "auto+mac")  # stores timed: each codec, and 16 bits authen
 def llama8b_bytes_per_token(tokens: int = 400) -> dict[str, float]:
     import torch
 
-    from cacheblend_rag.store.codec import codec_named
-    from cacheblend_rag.store.format import encode_layer
+    from cacheblend_rag.store.format.codec import codec_named
+    from cacheblend_rag.store.format.chunk_bytes import encode_layer
 
     torch.manual_seed(0)
     k, v = torch.randn(8, tokens, 128), torch.randn(8, tokens, 128)

@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment, StoredSegment
     from cacheblend_rag.store import ChunkCache, MemoryKVStore
-    from cacheblend_rag.store.format import decode_manifest
-    from cacheblend_rag.store.redis_store import RedisKVStore, redact_url
+    from cacheblend_rag.store.format.chunk_bytes import decode_manifest
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore, redact_url
 
     server = None if args.url else LocalRedis()
     url = args.url or server.url

@@ -41,10 +41,10 @@ from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment, StoredSe
 from cacheblend_rag.bench.report import print_report
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
-from cacheblend_rag.store.codec import codec_named
-from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
+from cacheblend_rag.store.format.codec import codec_named
+from cacheblend_rag.store.format.chunk_bytes import encode_layer, encode_manifest, peek_manifest, value_digest
 import fault_trial_env  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
-from cacheblend_rag.store.tampering import (
+from cacheblend_rag.store.format.tampering import (
     damage_index,
     delete_as_another_program,
     index_rows,

@@ -208,7 +208,7 @@ def redis_faults(trial: Any, answer: Callable, tolerance: float) -> list[dict[st
     sys.path.insert(0, str(REDIS_HELPERS))
     from redis_server import RedisServer  # noqa: E402
 
-    from cacheblend_rag.store.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
     server = RedisServer(trial.work / "redis").start()
 

@@ -25,8 +25,8 @@ from fault_trial_env import _Tmpfs  # noqa: E402  (a tmpfs mount that can be fil
 
 from cacheblend_rag.store import DiskKVStore  # noqa: E402
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError  # noqa: E402
-from cacheblend_rag.store.format import peek_manifest  # noqa: E402
-from cacheblend_rag.store.tiered import TieredKVStore  # noqa: E402
+from cacheblend_rag.store.format.chunk_bytes import peek_manifest  # noqa: E402
+from cacheblend_rag.store.backends.tiered import TieredKVStore  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "musique_dev.json"
 TMPFS_BYTES = 512 << 20  # the disk tier's file system: the warmed corpus and every chunk written during a soak
@@ -115,7 +115,7 @@ def start_env(max_new_tokens: int, model: str | None = None) -> SoakEnv:
     from langchain_cacheblend import ChatCacheBlend
     from llama_index.llms.cacheblend import CacheBlendLLM
 
-    from cacheblend_rag.store.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     redis = RedisServer(root / "redis").start()

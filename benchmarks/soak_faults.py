@@ -141,7 +141,7 @@ class FaultRunner:
     def rogue_writer(self, phase: Phase) -> None:
         """Random bytes and a pickled object as manifests on disk, random bytes and a string of another type in
         Redis, under keys requests are using."""
-        from cacheblend_rag.store.tampering import manifest_name, write_as_another_program
+        from cacheblend_rag.store.format.tampering import manifest_name, write_as_another_program
 
         keys = sorted(self.live_keys())
         chosen = self.rng.sample(keys, k=min(8, len(keys)))
@@ -212,8 +212,8 @@ def _warm_job(disk: str, redis_url: str, texts: str, prefix_ids: str, dtype: str
     torch.set_num_threads(1)
     from cacheblend_rag.serving.registry import shared_engine
     from cacheblend_rag.store import ChunkCache, DiskKVStore
-    from cacheblend_rag.store.redis_store import RedisKVStore
-    from cacheblend_rag.store.tiered import TieredKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.tiered import TieredKVStore
 
     engine = shared_engine(model, dtype=dtype)
     store = TieredKVStore(DiskKVStore(disk), RedisKVStore(redis_url))

@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.reuse.prompt import chunk_texts, default_conditioning_prefix
-from cacheblend_rag.store.base import KVStore
-from cacheblend_rag.store.codec import DEFAULT_GROUP, STORAGE_DTYPES
+from cacheblend_rag.store.backends.base import KVStore
+from cacheblend_rag.store.format.codec import DEFAULT_GROUP, STORAGE_DTYPES
 from cacheblend_rag.store.factory import open_store
 from cacheblend_rag.store.inventory import inventory
 from cacheblend_rag.store.store_key import require_store_key, store_key

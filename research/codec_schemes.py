@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine, FreshSegment
 from cacheblend_rag.kv.segments import ChunkKV
-from cacheblend_rag.store.codec import DEFAULT_GROUP, Int4, Int8, PackedLayer
+from cacheblend_rag.store.format.codec import DEFAULT_GROUP, Int4, Int8, PackedLayer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 

@@ -45,7 +45,7 @@ from cacheblend_rag.bench.prompt import build_prompt, load_musique
 from cacheblend_rag.bench.references import Reference, ReferenceCache
 from cacheblend_rag.bench.requests import FullPrefillRequest, run_request, teacher_forced_logits
 from cacheblend_rag.store.chunk_cache import ChunkCache
-from cacheblend_rag.store.disk import DiskKVStore
+from cacheblend_rag.store.backends.disk import DiskKVStore
 from cacheblend_rag.engine.generate import eos_token_ids
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.engine.blend import CacheBlendEngine

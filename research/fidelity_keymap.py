@@ -42,7 +42,7 @@ def collect(args: argparse.Namespace) -> None:
     from cacheblend_rag.bench.references import ReferenceCache
     from cacheblend_rag.engine.blend import CacheBlendEngine
     from cacheblend_rag.store.chunk_cache import ChunkCache
-    from cacheblend_rag.store.disk import DiskKVStore
+    from cacheblend_rag.store.backends.disk import DiskKVStore
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)

@@ -11,7 +11,7 @@ from cacheblend_rag.bench.config import DEFAULT_METHODS, BenchConfig
 from cacheblend_rag.bench.references import DEFAULT_REFERENCE_DIR
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import CacheBlendError, ConfigError
-from cacheblend_rag.store.codec import STORAGE_DTYPES
+from cacheblend_rag.store.format.codec import STORAGE_DTYPES
 
 
 def register(subparsers: Any) -> None:

@@ -13,7 +13,7 @@ from cacheblend_rag.bench.methods import MethodSpec, PrefixMode, parse_methods, 
 from cacheblend_rag.bench.stores import StoreKind
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.codec import STORAGE_DTYPES
+from cacheblend_rag.store.format.codec import STORAGE_DTYPES
 
 DEFAULT_METHODS = "full_prefill,prefix_caching,full_reuse,cacheblend"
 

@@ -15,7 +15,7 @@ Grammar of one ``--methods`` item: ``NAME[+prefix][@RATIO][:STORAGE]``.
   ``cacheblend_rag.reuse.prompt``, instead of behind nothing.
   Only methods that reuse chunk KV (``full_reuse`` and blends) take it.
 - ``:STORAGE``: the chunk KV of this method is stored with this codec (``int8``, ``int4``,
-  ``float16``, ...; :mod:`cacheblend_rag.store.codec`) instead of the run's ``--storage-dtype``.
+  ``float16``, ...; :mod:`cacheblend_rag.store.format.codec`) instead of the run's ``--storage-dtype``.
   Only methods that reuse chunk KV take it. Recovery and "worse than full reuse" stay measured
   against plain ``full_reuse`` at the run's storage, one yardstick for every codec.
 - ``all``: full prefill, prefix caching, full reuse and every registered strategy.
@@ -39,7 +39,7 @@ from cacheblend_rag.calibration.lookup import (CALIBRATED_FIELDS, DEFAULT_CONDIT
                                               correction_suffix)
 from cacheblend_rag.engine.selection import available_strategies
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.codec import STORAGE_DTYPES
+from cacheblend_rag.store.format.codec import STORAGE_DTYPES
 
 MethodKind = Literal["full_prefill", "prefix_caching", "full_reuse", "blend", "default"]
 PrefixMode = Literal["off", "on", "both"]

@@ -22,7 +22,7 @@ from typing import Any, Literal, Sequence
 
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, DiskKVStore, KVStore, MemoryKVStore
-from cacheblend_rag.store.codec import STORAGE_DTYPES
+from cacheblend_rag.store.format.codec import STORAGE_DTYPES
 
 StoreKind = Literal["memory", "disk"]
 

@@ -24,7 +24,7 @@ from cacheblend_rag.serving.arguments import BLEND_FIELDS, checked_as_given
 from cacheblend_rag.models.loader import DEFAULT_MODEL_NAME
 from cacheblend_rag.serving.thinking import checked_template_kwargs
 from cacheblend_rag.store import parse_size
-from cacheblend_rag.store.codec import codec_named
+from cacheblend_rag.store.format.codec import codec_named
 from cacheblend_rag.store.urls import password_apart, redact, split_password
 
 _DEFAULTS = BlendConfig()
@@ -173,7 +173,7 @@ class StorageSettings(SettingsGroup):
     store_size_limit: Optional[Union[int, str]] = Field(
         default=None, description="Bound on a disk or memory store, in bytes or with a unit ('2GB'). None: a memory "
         "store (the default, 'memory', a tiered store's memory tier) holds at most an eighth of this process's memory, "
-        "4 GiB at most (cacheblend_rag.store.memory_budget); a disk store is unbounded."
+        "4 GiB at most (cacheblend_rag.store.backends.memory_budget); a disk store is unbounded."
     )
     resident_bytes: Optional[Union[int, str]] = Field(
         default=None,

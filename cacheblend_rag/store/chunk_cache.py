@@ -17,7 +17,7 @@ Failures never fail a request. A damaged entry is logged, counted as ``corrupt``
 and recomputed; a store that cannot be read or written is treated as empty, with a
 warning (at most one a minute for the same kind of failure).
 
-Storage dtype (the codec, :mod:`cacheblend_rag.store.codec`): ``"auto"`` (the default) stores 16
+Storage dtype (the codec, :mod:`cacheblend_rag.store.format.codec`): ``"auto"`` (the default) stores 16
 bits per value. If the model computes in float16 or bfloat16, that dtype is used and storage
 is lossless. If it computes in float32, chunks are stored as float16 (3 more bits of mantissa
 than bfloat16, so about 8x smaller rounding error), except a chunk with a value beyond
@@ -29,7 +29,7 @@ compute dtype on load, quantized ones expanded by the pipelined loader.
 
 Authenticated mode: with ``auth_key`` (or ``$CACHEBLEND_STORE_KEY``) every value carries an
 HMAC-SHA256 instead of a checksum, and entries without a valid MAC are not used. The key is
-never stored; each manifest names it by a key id (:mod:`~cacheblend_rag.store.format`), so an entry
+never stored; each manifest names it by a key id (:mod:`~cacheblend_rag.store.format.chunk_bytes`), so an entry
 under another key (or none, or one where this cache has none) is skipped, counted as
 ``foreign_key_entries`` and computed fresh, never deleted: only damage this reader can prove is.
 Turn it on when writers you do not trust share the store (several applications or tenants on one
@@ -57,16 +57,16 @@ import torch
 from cacheblend_rag.kv.source import CachedKVSource, InMemoryKVSource
 from cacheblend_rag.kv.segments import ChunkKV, StoredSegment
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import KVStore, StoreStats
+from cacheblend_rag.store.backends.base import KVStore, StoreStats
 from cacheblend_rag.store.chunk_io import ChunkStoreIO
 from cacheblend_rag.store.chunk_warm import ChunkWarming, WarmSummary
-from cacheblend_rag.store.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_for_name, codec_named
-from cacheblend_rag.store.entries import EntryRules, MissingLayerError
+from cacheblend_rag.store.format.codec import DEFAULT_GROUP, Codec, PackedLayer, codec_for_name, codec_named
+from cacheblend_rag.store.format.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
 from cacheblend_rag.store.factory import open_store
-from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, UnauthenticatedReaderError
+from cacheblend_rag.store.format.chunk_bytes import ForeignKeyEntryError, Manifest, Tagger, UnauthenticatedReaderError
 from cacheblend_rag.store.loader import PipelinedKVSource, PlannedChunk
-from cacheblend_rag.store.memory_budget import default_write_back_bytes
+from cacheblend_rag.store.backends.memory_budget import default_write_back_bytes
 from cacheblend_rag.store.resident import ResidentChunks, resident_budget
 from cacheblend_rag.store.store_key import STORE_KEY_ENV, require_store_key, store_key, warn_if_keyless
 from cacheblend_rag.store.urls import redact
@@ -80,7 +80,7 @@ class ChunkCache(ChunkWarming, ChunkStoreIO):
     """Chunk KV in a :class:`KVStore` for one engine.
 
     ``store`` is a :class:`KVStore` or a spec for :func:`open_store` (``None``: a memory store,
-    bounded by default: :mod:`~cacheblend_rag.store.memory_budget`). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
+    bounded by default: :mod:`~cacheblend_rag.store.backends.memory_budget`). ``prefix_ids`` is the conditioning prefix :meth:`warm` computes chunks
     behind; a :class:`StoredSegment` names its own prefix. ``storage_dtype`` is ``"auto"``,
     ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"int4"`` (quantized in groups of
     ``storage_group``). ``auth_key`` turns on authenticated mode (module docstring); ``require_key`` refuses

@@ -17,12 +17,12 @@ from typing import Any, Sequence
 import torch
 
 from cacheblend_rag.kv.segments import ChunkKV
-from cacheblend_rag.store.base import KVStore
-from cacheblend_rag.store.codec import Codec, float_codec
-from cacheblend_rag.store.entries import EntryRules
+from cacheblend_rag.store.backends.base import KVStore
+from cacheblend_rag.store.format.codec import Codec, float_codec
+from cacheblend_rag.store.format.entries import EntryRules
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError, read_failure
-from cacheblend_rag.store.format import ForeignKeyEntryError, Manifest, Tagger, encode_layer, encode_manifest, value_digest
-from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.format.chunk_bytes import ForeignKeyEntryError, Manifest, Tagger, encode_layer, encode_manifest, value_digest
+from cacheblend_rag.store.format.keys import chunk_key
 
 _FLOAT16_MAX = 65504.0
 

@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.backends.base import KVStore
 # register_store_scheme lives with the table a backend registers into (a leaf it can import); it is
 # imported here too because the docstring above, and callers, find it on the factory.
 from cacheblend_rag.store.schemes import SCHEMES as _SCHEMES, register_store_scheme  # noqa: F401
 from cacheblend_rag.store.urls import MASK, STORE_PASSWORD_ENV, is_masked, password_from_env, redact
 
 # scheme -> module that calls register_store_scheme(scheme, ...) when imported
-_LAZY_SCHEMES = {"redis": "cacheblend_rag.store.redis_store", "rediss": "cacheblend_rag.store.redis_store"}
+_LAZY_SCHEMES = {"redis": "cacheblend_rag.store.backends.redis_store", "rediss": "cacheblend_rag.store.backends.redis_store"}
 
 # What a size's unit may be, in the error message; ByteSize reads more (K, M, G, PB, EiB, Gbit...).
 _UNIT_EXAMPLES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
@@ -71,9 +71,9 @@ def open_store(spec: str | Path | KVStore | None, *, size_limit: int | str | Non
 
     ``size_limit`` bounds a disk store (or the memory tier of ``memory``) in bytes or with a unit.
     """
-    from cacheblend_rag.store.disk import DiskKVStore
-    from cacheblend_rag.store.memory import MemoryKVStore
-    from cacheblend_rag.store.tiered import TieredKVStore
+    from cacheblend_rag.store.backends.disk import DiskKVStore
+    from cacheblend_rag.store.backends.memory import MemoryKVStore
+    from cacheblend_rag.store.backends.tiered import TieredKVStore
 
     if isinstance(spec, KVStore):
         return spec

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.backends.base import KVStore
 from cacheblend_rag.store.errors import CorruptEntryError
-from cacheblend_rag.store.format import peek_manifest
-from cacheblend_rag.store.keys import is_approximate_prefix_block_key, is_prefix_block_key
+from cacheblend_rag.store.format.chunk_bytes import peek_manifest
+from cacheblend_rag.store.format.keys import is_approximate_prefix_block_key, is_prefix_block_key
 
 
 @dataclass

@@ -30,11 +30,11 @@ import torch
 
 from cacheblend_rag.kv.source import CachedKVSource
 from cacheblend_rag.kv.segments import ChunkKV, StoredSegment
-from cacheblend_rag.store.base import KVStore
-from cacheblend_rag.store.codec import PackedLayer, codec_for_name, staged
-from cacheblend_rag.store.entries import EntryRules, MissingLayerError
+from cacheblend_rag.store.backends.base import KVStore
+from cacheblend_rag.store.format.codec import PackedLayer, codec_for_name, staged
+from cacheblend_rag.store.format.entries import EntryRules, MissingLayerError
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError, read_failure
-from cacheblend_rag.store.format import Manifest
+from cacheblend_rag.store.format.chunk_bytes import Manifest
 from cacheblend_rag.store.resident import ResidentChunk
 
 logger = logging.getLogger(__name__)

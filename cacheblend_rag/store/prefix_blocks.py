@@ -2,7 +2,7 @@
 
 A block (:mod:`cacheblend_rag.reuse.prefix_cache`) is stored as a chunk entry is: one value per
 layer holding its keys (rotated, as the prefix cache keeps them) and values, in the store's safe
-format (:mod:`cacheblend_rag.store.format`: bounded, tagged, never unpickled, MAC'd in
+format (:mod:`cacheblend_rag.store.format.chunk_bytes`: bounded, tagged, never unpickled, MAC'd in
 authenticated mode), and a manifest written last. Blocks are always stored losslessly, in the
 model's own dtype: a prefix is reused as exact K/V, and rounded K/V would not be.
 
@@ -29,12 +29,12 @@ import torch
 
 from cacheblend_rag.kv.segments import ChunkKV
 from cacheblend_rag.store.chunk_cache import ChunkCache
-from cacheblend_rag.store.codec import codec_for_name
+from cacheblend_rag.store.format.codec import codec_for_name
 from cacheblend_rag.store.errors import CorruptEntryError, StoreError
-from cacheblend_rag.store.format import Manifest
-from cacheblend_rag.store.keys import APPROXIMATE_PREFIX_BLOCK_KEY as APPROXIMATE_BLOCK_KEY_PREFIX
-from cacheblend_rag.store.keys import PREFIX_BLOCK_KEY as BLOCK_KEY_PREFIX
-from cacheblend_rag.store.keys import prefix_block_key
+from cacheblend_rag.store.format.chunk_bytes import Manifest
+from cacheblend_rag.store.format.keys import APPROXIMATE_PREFIX_BLOCK_KEY as APPROXIMATE_BLOCK_KEY_PREFIX
+from cacheblend_rag.store.format.keys import PREFIX_BLOCK_KEY as BLOCK_KEY_PREFIX
+from cacheblend_rag.store.format.keys import prefix_block_key
 
 
 class StorePrefixBlocks:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.memory_budget import usable_memory
+from cacheblend_rag.store.backends.memory_budget import usable_memory
 
 DEFAULT_CUDA_BYTES = 2 << 30
 DEFAULT_CPU_BYTES = 1 << 30

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.backends.base import KVStore
 
 StoreFactory = Callable[..., KVStore]
 SCHEMES: dict[str, StoreFactory] = {}

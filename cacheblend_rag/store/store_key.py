@@ -18,7 +18,7 @@ import threading
 import weakref
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import KVStore
+from cacheblend_rag.store.backends.base import KVStore
 
 logger = logging.getLogger(__name__)
 

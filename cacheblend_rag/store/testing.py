@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cacheblend_rag.store.memory import MemoryKVStore
+from cacheblend_rag.store.backends.memory import MemoryKVStore
 from cacheblend_rag.store.schemes import SCHEMES
 from cacheblend_rag.store.urls import STORE_PASSWORD_ENV
 

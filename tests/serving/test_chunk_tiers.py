@@ -77,7 +77,7 @@ def test_an_answer_while_the_store_is_down_says_so_in_its_stats(engine):
 
 
 def test_an_answer_while_redis_is_down_says_so_breaker_open_or_not(engine, fresh_redis_server):
-    from cacheblend_rag.store.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
     url = fresh_redis_server.url()
     settings = settings_on(engine, RedisKVStore(url, probe_interval=60), resident_bytes=0)

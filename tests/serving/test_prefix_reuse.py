@@ -14,7 +14,7 @@ from cacheblend_rag.reuse.prefix_cache import PrefixCache
 from cacheblend_rag.kv.segments import PrefixSegment
 from cacheblend_rag.serving import AnnouncedChunks, BlendService
 from cacheblend_rag.store import ChunkCache, MemoryKVStore
-from cacheblend_rag.store.format import peek_manifest
+from cacheblend_rag.store.format.chunk_bytes import peek_manifest
 from cacheblend_rag.store.prefix_blocks import BLOCK_KEY_PREFIX, StorePrefixBlocks
 from cacheblend_rag.testing import tiny_engine
 

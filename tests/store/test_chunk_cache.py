@@ -12,8 +12,8 @@ import torch
 from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore, TieredKVStore
-from cacheblend_rag.store.codec import codec_named
-from cacheblend_rag.store.format import decode_manifest, encode_layer, encode_manifest
+from cacheblend_rag.store.format.codec import codec_named
+from cacheblend_rag.store.format.chunk_bytes import decode_manifest, encode_layer, encode_manifest
 from cacheblend_rag.store.loader import PipelinedKVSource
 
 from kvstore_samples import TEXTS

@@ -10,8 +10,8 @@ import torch
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment, StoredSegment
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore
-from cacheblend_rag.store.codec import codec_named
-from cacheblend_rag.store.format import decode_layer, encode_layer
+from cacheblend_rag.store.format.codec import codec_named
+from cacheblend_rag.store.format.chunk_bytes import decode_layer, encode_layer
 from cacheblend_rag.testing import tiny_engine
 
 from kvstore_samples import QUESTION, TEXTS
@@ -160,7 +160,7 @@ def test_cache_stats_show_bytes_per_token_by_codec(engine, tmp_path, capsys, mon
 def test_layers_staged_in_one_buffer_are_the_layers_unchanged(name):
     """What the CUDA loader copies in one transfer (here unpinned, on the CPU) cuts back into every chunk's
     tensors bit for bit, whatever their dtypes and odd byte sizes (int4's scales sit after packed nibbles)."""
-    from cacheblend_rag.store.codec import staged
+    from cacheblend_rag.store.format.codec import staged
 
     torch.manual_seed(0)
     layers = [decode_layer(encode_layer(torch.randn(2, n, 6), torch.randn(2, n, 6), codec_named(name)))

@@ -49,12 +49,12 @@ def test_an_existing_folder_others_can_read_is_left_alone_with_a_warning(engine,
     root = tmp_path / "kv"
     root.mkdir()
     root.chmod(0o755)  # made by an older version, or by hand
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.backends.disk"):
         DiskKVStore(root).close()
     assert stat.S_IMODE(root.stat().st_mode) == 0o755  # the operator's choice, not changed behind their back
     assert "other users of this machine can read it" in caplog.text and "chmod -R go-rwx" in caplog.text
     caplog.clear()
     root.chmod(0o750)  # shared with a group on purpose: no warning
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.backends.disk"):
         DiskKVStore(root).close()
     assert "other users" not in caplog.text

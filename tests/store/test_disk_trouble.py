@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, FreshSegment, StoredSegment
-from cacheblend_rag.store import ChunkCache, DiskKVStore, disk_index
+from cacheblend_rag.store import ChunkCache, DiskKVStore
+from cacheblend_rag.store.backends import disk_index
 
 from kvstore_samples import TEXTS as SAMPLES  # noqa: E402
 

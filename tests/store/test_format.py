@@ -9,9 +9,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cacheblend_rag.store.codec import codec_named
+from cacheblend_rag.store.format.codec import codec_named
 from cacheblend_rag.store.errors import CorruptEntryError
-from cacheblend_rag.store.format import (
+from cacheblend_rag.store.format.chunk_bytes import (
     CHECKSUM_SIZE,
     MAC_SIZE,
     Manifest,
@@ -182,7 +182,7 @@ def test_manifest_json_nested_deeply_is_corrupt_even_with_a_valid_checksum():
 
     import xxhash
 
-    from cacheblend_rag.store import format as fmt
+    from cacheblend_rag.store.format import chunk_bytes as fmt
 
     nested = ("[" * 100_000 + "]" * 100_000).encode()
     body = fmt._MANIFEST_HEAD.pack(fmt.MANIFEST_MAGIC, fmt.FORMAT_VERSION, 0, 0, len(nested), fmt.NO_KEY_ID) + nested

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.store import ChunkCache, DiskKVStore, MemoryKVStore, TieredKVStore
-from cacheblend_rag.store.codec import codec_named
-from cacheblend_rag.store.format import encode_layer, encode_manifest, peek_manifest, value_digest
+from cacheblend_rag.store.format.codec import codec_named
+from cacheblend_rag.store.format.chunk_bytes import encode_layer, encode_manifest, peek_manifest, value_digest
 from cacheblend_rag.store.inventory import inventory
-from cacheblend_rag.store.tampering import layer_name, manifest_name, nested_manifest, write_as_another_program
+from cacheblend_rag.store.format.tampering import layer_name, manifest_name, nested_manifest, write_as_another_program
 
 BACKENDS = ["memory", "disk", "tiered", "redis"]
 KEY = b"0123456789abcdef0123456789abcdef"
@@ -48,7 +48,7 @@ class Backend:
             return DiskKVStore(self.tmp_path / "kv")
         if self.kind == "tiered":
             return TieredKVStore(MemoryKVStore(), DiskKVStore(self.tmp_path / "kv"))
-        from cacheblend_rag.store.redis_store import RedisKVStore
+        from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
         return RedisKVStore(self.redis_url)
 

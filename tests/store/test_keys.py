@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.format.keys import chunk_key
 
 
 def test_key_is_stable_across_processes():
-    code = "from cacheblend_rag.store.keys import chunk_key; print(chunk_key('model-a', [1, 2, 3], [9]))"
+    code = "from cacheblend_rag.store.format.keys import chunk_key; print(chunk_key('model-a', [1, 2, 3], [9]))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == chunk_key("model-a", [1, 2, 3], [9])
     # A literal, so that a change of the key derivation (which orphans every store) is deliberate. Format

@@ -13,7 +13,7 @@ import pytest
 from cacheblend_rag import StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, MemoryKVStore, open_store
-from cacheblend_rag.store.memory_budget import (MEMORY_STORE_CAP, WRITE_BACK_CAP, default_memory_store_bytes,
+from cacheblend_rag.store.backends.memory_budget import (MEMORY_STORE_CAP, WRITE_BACK_CAP, default_memory_store_bytes,
                                                 default_write_back_bytes, usable_memory)
 
 from kvstore_samples import TEXTS  # noqa: E402

@@ -11,7 +11,7 @@ from cacheblend_rag import BlendConfig
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, DiskKVStore
 from cacheblend_rag.store.errors import StoreError
-from cacheblend_rag.store.format import decode_manifest
+from cacheblend_rag.store.format.chunk_bytes import decode_manifest
 
 from kvstore_samples import TEXTS
 

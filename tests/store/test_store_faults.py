@@ -13,7 +13,7 @@ import torch
 from cacheblend_rag import BlendConfig, BlendInputError, CacheBlendEngine, FreshSegment, StoredSegment
 from cacheblend_rag.cli import main as cli_main
 from cacheblend_rag.store import ChunkCache, DiskKVStore
-from cacheblend_rag.store.tampering import (
+from cacheblend_rag.store.format.tampering import (
     INDEX_DAMAGE,
     damage_index,
     index_rows,
@@ -205,7 +205,7 @@ def test_float_token_ids_are_refused_not_truncated(engine):
                                  "redis://localhost:6379/zero"])
 def test_a_bad_redis_url_is_a_config_error(url):
     from cacheblend_rag.errors import ConfigError
-    from cacheblend_rag.store.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
     with pytest.raises(ConfigError, match="Redis URL"):
         RedisKVStore(url, check_connection=False)

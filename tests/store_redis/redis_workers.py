@@ -29,7 +29,7 @@ def make_engine():
 def replica_store(url: str, disk_path: str, **redis_options: Any):
     """What each replica runs: memory, then its own disk, then the shared Redis."""
     from cacheblend_rag.store import DiskKVStore, MemoryKVStore, TieredKVStore
-    from cacheblend_rag.store.redis_store import RedisKVStore
+    from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
     return TieredKVStore(MemoryKVStore(), DiskKVStore(disk_path), RedisKVStore(url, **redis_options))
 

@@ -9,8 +9,8 @@ import torch
 
 from cacheblend_rag import FreshSegment, StoredSegment
 from cacheblend_rag.store import ChunkCache, DiskKVStore
-from cacheblend_rag.store.format import decode_layer, decode_manifest, value_digest
-from cacheblend_rag.store.redis_store import RedisKVStore
+from cacheblend_rag.store.format.chunk_bytes import decode_layer, decode_manifest, value_digest
+from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
 from redis_workers import QUESTION, corpus, replica_store  # noqa: E402
 

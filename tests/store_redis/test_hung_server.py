@@ -13,7 +13,7 @@ import torch
 
 from cacheblend_rag import FreshSegment, StoredSegment
 from cacheblend_rag.store import ChunkCache
-from cacheblend_rag.store.redis_store import RedisKVStore
+from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
 from redis_workers import QUESTION, corpus  # noqa: E402
 

@@ -13,10 +13,10 @@ import torch
 
 from cacheblend_rag import FreshSegment, StoredSegment
 from cacheblend_rag.store import ChunkCache, TieredKVStore
-from cacheblend_rag.store.format import MAX_MANIFEST_BYTES, peek_manifest
+from cacheblend_rag.store.format.chunk_bytes import MAX_MANIFEST_BYTES, peek_manifest
 from cacheblend_rag.store.inventory import inventory
-from cacheblend_rag.store.redis_layout import MANIFEST_FIELD, layer_field
-from cacheblend_rag.store.redis_store import RedisKVStore
+from cacheblend_rag.store.backends.redis_layout import MANIFEST_FIELD, layer_field
+from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
 from redis_workers import QUESTION, corpus, replica_store  # noqa: E402
 

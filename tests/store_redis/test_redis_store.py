@@ -9,8 +9,8 @@ import torch
 from cacheblend_rag import FreshSegment, StoredSegment
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import ChunkCache, StoreError, open_store
-from cacheblend_rag.store.format import Manifest, encode_manifest
-from cacheblend_rag.store.redis_store import RedisKVStore, model_namespace, redact_url
+from cacheblend_rag.store.format.chunk_bytes import Manifest, encode_manifest
+from cacheblend_rag.store.backends.redis_store import RedisKVStore, model_namespace, redact_url
 
 from redis_workers import QUESTION, corpus  # noqa: E402
 

@@ -7,7 +7,7 @@ import multiprocessing
 import torch
 
 from cacheblend_rag.store import ChunkCache
-from cacheblend_rag.store.redis_store import RedisKVStore
+from cacheblend_rag.store.backends.redis_store import RedisKVStore
 
 from redis_workers import answer, corpus, replica_b, replica_store, requests  # noqa: E402
 

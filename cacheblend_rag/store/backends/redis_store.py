@@ -20,7 +20,7 @@ expiry by the configured ``ttl`` (or none). Readers only read chunks that have a
 Reads of layer ``l`` of all chunks of a blend go out as one pipeline (two round trips: sizes, then
 values, below), which the loader issues for layer ``l + 1`` while layer ``l`` computes.
 
-Values are the checksummed byte format of :mod:`cacheblend_rag.store.format`; nothing is
+Values are the checksummed byte format of :mod:`cacheblend_rag.store.format.chunk_bytes`; nothing is
 ever unpickled (``decode_responses`` is off and values are handed on as raw bytes). Every read asks
 for the values' sizes first (one more pipelined round trip) and reads only those no larger than any
 value of its kind (a layer: the bound model's longest chunk at 32 bits; a manifest: its JSON bound):
@@ -38,8 +38,8 @@ following request computes fresh at once, until a background probe (a ``PING`` e
 for a dead or hung store at most once, and hits resume within one probe interval of its return.
 Bad URLs and rejected credentials are configuration errors, raised at construction with what to fix.
 
-The connection and its breaker are in :mod:`~cacheblend_rag.store.redis_connection`, the hash's fields
-and the server-side scripts in :mod:`~cacheblend_rag.store.redis_layout`; this module holds the store's
+The connection and its breaker are in :mod:`~cacheblend_rag.store.backends.redis_connection`, the hash's fields
+and the server-side scripts in :mod:`~cacheblend_rag.store.backends.redis_layout`; this module holds the store's
 commands, its shared counters and its registration under ``redis://`` and ``rediss://``.
 """
 
@@ -53,11 +53,11 @@ from typing import Any, Callable, Iterator, Sequence
 import redis
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
+from cacheblend_rag.store.backends.base import COUNTERS, KVStore, StoreStats
 from cacheblend_rag.store.errors import StoreError
-from cacheblend_rag.store.format import MAX_MANIFEST_BYTES, peek_manifest
-from cacheblend_rag.store.redis_connection import RedisConnection, positive_seconds, redact_url
-from cacheblend_rag.store.redis_layout import (
+from cacheblend_rag.store.format.chunk_bytes import MAX_MANIFEST_BYTES, peek_manifest
+from cacheblend_rag.store.backends.redis_connection import RedisConnection, positive_seconds, redact_url
+from cacheblend_rag.store.backends.redis_layout import (
     ADD_MANIFEST_SCRIPT,
     DELETE_SCRIPT,
     MANIFEST_FIELD,

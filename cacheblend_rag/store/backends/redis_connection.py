@@ -3,7 +3,7 @@ and its options, the two clients (writes and reads, each with its own timeout, o
 Redis Cluster), and the circuit breaker every command goes through.
 
 Kept apart from the store's commands so that what happens when the server is down, hung or
-rejects the credentials (the "Failures" part of :mod:`cacheblend_rag.store.redis_store`) reads in
+rejects the credentials (the "Failures" part of :mod:`cacheblend_rag.store.backends.redis_store`) reads in
 one place.
 """
 

@@ -43,8 +43,8 @@ from typing import Any, Iterator, Sequence
 import diskcache
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import COUNTERS, KVStore, StoreStats
-from cacheblend_rag.store.disk_index import (
+from cacheblend_rag.store.backends.base import COUNTERS, KVStore, StoreStats
+from cacheblend_rag.store.backends.disk_index import (
     INDEX_FILES,
     PRIVATE_FOLDER,
     VALUE_FILE,

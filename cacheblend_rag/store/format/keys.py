@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cacheblend_rag.store.format import FORMAT_VERSION
+from cacheblend_rag.store.format.chunk_bytes import FORMAT_VERSION
 
 _DOMAIN = b"cacheblend-rag/chunk-kv\x00"
 

@@ -1,7 +1,7 @@
 """The byte format of stored chunk KV: one self-describing, tagged value per layer, plus a manifest.
 
 A **layer value** holds K and V of one layer of one chunk, each ``[kv_heads, tokens, head_dim]``,
-in a codec (:mod:`cacheblend_rag.store.codec`: float32, float16, bfloat16, int8, int4)::
+in a codec (:mod:`cacheblend_rag.store.format.codec`: float32, float16, bfloat16, int8, int4)::
 
     offset  size   field
     0       4      magic b"CBKV"
@@ -41,7 +41,7 @@ accepts only ``bytes``-like values: anything else (another type, a short or padd
 wrong magic, version, codec or tag, a manifest whose JSON is too large, too deep or not the
 expected fields, non-finite floats) raises :class:`CorruptEntryError` and nothing else.
 Version 2 values (16 and 32 bits, no codec byte) read as "format version 2" and are recomputed.
-Version 4 added the key id. The version is part of every chunk key (:mod:`~cacheblend_rag.store.keys`), so
+Version 4 added the key id. The version is part of every chunk key (:mod:`~cacheblend_rag.store.format.keys`), so
 entries of an older version are never looked up: they stay until evicted, expired or cleared.
 """
 
@@ -59,7 +59,7 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
-from cacheblend_rag.store.codec import Codec, PackedLayer, codec_for_code
+from cacheblend_rag.store.format.codec import Codec, PackedLayer, codec_for_code
 from cacheblend_rag.store.errors import CorruptEntryError
 
 FORMAT_VERSION = 4

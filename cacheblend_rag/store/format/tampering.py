@@ -16,8 +16,8 @@ from typing import Any
 
 import xxhash
 
-from cacheblend_rag.store import format as fmt
-from cacheblend_rag.store.disk import _layer_name, _manifest_name
+from cacheblend_rag.store.format import chunk_bytes as fmt
+from cacheblend_rag.store.backends.disk import _layer_name, _manifest_name
 
 
 def write_as_another_program(store_path: Path, name: str, value: Any, key: str) -> None:

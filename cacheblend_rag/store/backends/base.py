@@ -1,6 +1,6 @@
 """The interface every KV store backend implements (memory, disk, Redis, tiers of them).
 
-A chunk entry is ``num_layers`` layer values (bytes, see :mod:`cacheblend_rag.store.format`)
+A chunk entry is ``num_layers`` layer values (bytes, see :mod:`cacheblend_rag.store.format.chunk_bytes`)
 plus one manifest. Writers put every layer first and the manifest last, through
 :meth:`KVStore.add_manifest`, which writes only if no manifest exists yet. So:
 

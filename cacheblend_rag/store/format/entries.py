@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cacheblend_rag.store.codec import Codec, PackedLayer, codec_for_name
+from cacheblend_rag.store.format.codec import Codec, PackedLayer, codec_for_name
 from cacheblend_rag.store.errors import CorruptEntryError
-from cacheblend_rag.store.format import (
+from cacheblend_rag.store.format.chunk_bytes import (
     CHECKSUM_SIZE,
     MAC_SIZE,
     Manifest,

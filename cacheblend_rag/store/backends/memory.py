@@ -7,8 +7,8 @@ from collections import OrderedDict
 from typing import Iterator, Literal
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import KVStore, StoreStats
-from cacheblend_rag.store.memory_budget import default_memory_store_bytes
+from cacheblend_rag.store.backends.base import KVStore, StoreStats
+from cacheblend_rag.store.backends.memory_budget import default_memory_store_bytes
 
 
 class _Entry:
@@ -22,7 +22,7 @@ class _Entry:
 
 class MemoryKVStore(KVStore):
     """LRU over chunks, bounded by ``max_bytes`` of stored values: ``"auto"`` (the default) is an eighth of
-    the memory this process may use, at most 4 GiB (:mod:`~cacheblend_rag.store.memory_budget` says why);
+    the memory this process may use, at most 4 GiB (:mod:`~cacheblend_rag.store.backends.memory_budget` says why);
     ``None``: unbounded, for a caller who bounds it otherwise.
 
     Values stay encoded (the same bytes a disk or Redis store holds), so a memory hit still

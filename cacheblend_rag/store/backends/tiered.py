@@ -16,7 +16,7 @@ import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.store.base import KVStore, StoreStats
+from cacheblend_rag.store.backends.base import KVStore, StoreStats
 from cacheblend_rag.store.errors import StoreError
 
 logger = logging.getLogger(__name__)

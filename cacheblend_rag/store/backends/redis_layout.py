@@ -2,7 +2,7 @@
 scripts that write, delete and count atomically.
 
 The layout and the visibility rules these scripts implement are described in
-:mod:`cacheblend_rag.store.redis_store`; they live here, apart from the store's commands, so that the
+:mod:`cacheblend_rag.store.backends.redis_store`; they live here, apart from the store's commands, so that the
 Lua and the field names it spells out (``'m'``, ``<write_id>:<layer>``) sit side by side.
 """
 
