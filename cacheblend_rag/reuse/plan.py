@@ -42,6 +42,7 @@ from cacheblend_rag.reuse.prefix_cache import PrefixCache
 from cacheblend_rag.reuse.prompt import prompt_ids, spelling_special_tokens, split_prompt, to_segments_in_context
 from cacheblend_rag.reuse.segment_cache import SegmentCache
 from cacheblend_rag.reuse.text import checked_special_tokens
+from cacheblend_rag.store import ChunkCache
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,14 @@ def _normalized(text: str) -> str:
 
 
 class PromptReuse:
-    """The K/V reuse of one engine's prompts: its chunk cache's prefix, the announced chunk texts of one integration
+    """The K/V reuse of one engine's prompts: its chunk cache (whose prefix chunks are computed behind), the announced chunk texts of one integration
     object, and the engine's prefix and segment caches (``None`` when off, or when the engine cannot blend)."""
 
-    def __init__(self, engine: CacheBlendEngine, conditioning_prefix: Sequence[int], announced: AnnouncedChunks,
+    def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks,
                  prefix_cache: PrefixCache | None = None, segment_cache: SegmentCache | None = None, *,
                  document_special_tokens: str = "text") -> None:
         self.engine = engine
-        self.conditioning_prefix = list(conditioning_prefix)
+        self.chunk_cache = chunk_cache  # its conditioning prefix is what stored chunks were computed behind
         self.announced = announced
         self.prefix_cache = prefix_cache if engine.adapter is not None else None
         self.segment_cache = segment_cache if engine.adapter is not None else None
@@ -138,7 +139,7 @@ class PromptReuse:
                                   "chunk KV reuse is off (reuse_chunk_kv=False)")
         latest = self.announced.latest() if chunks is None else tuple(chunks)
         split = split_prompt(prompt, known, self._spelling_special_tokens(document_texts))
-        segments = to_segments_in_context(split, self.engine.tokenizer, self.conditioning_prefix,
+        segments = to_segments_in_context(split, self.engine.tokenizer, self.chunk_cache.prefix_ids,
                                           special_tokens=self.document_special_tokens)
         found = set(split.found)
         if split.found:

@@ -97,7 +97,7 @@ class BlendService:
         self.chunk_sharing = chunk_sharing
         self.engine = engine
         self.chunk_cache = chunk_cache
-        self.reuse = PromptReuse(engine, chunk_cache.prefix_ids, announced, prefix_cache, segment_cache,
+        self.reuse = PromptReuse(engine, chunk_cache, announced, prefix_cache, segment_cache,
                                  document_special_tokens=document_special_tokens)
         self.announced = announced
         self.document_special_tokens = self.reuse.document_special_tokens

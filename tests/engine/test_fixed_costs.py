@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from cacheblend_rag import BlendConfig, CachedSegment, FreshSegment
 from bench_support.host_syncs import count_host_syncs
-from cacheblend_rag.engine.generate import decoding_cache
+from cacheblend_rag.engine.decoding_cache import decoding_cache
 from cacheblend_rag.testing import tiny_engine
 
 # The settings whose per-layer work differs: full reuse, CacheBlend as published, the built-in default (a
