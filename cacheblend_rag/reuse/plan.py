@@ -99,8 +99,9 @@ def _normalized(text: str) -> str:
 
 
 class PromptReuse:
-    """The K/V reuse of one engine's prompts: its chunk cache (whose prefix chunks are computed behind), the announced chunk texts of one integration
-    object, and the engine's prefix and segment caches (``None`` when off, or when the engine cannot blend)."""
+    """The K/V reuse of one engine's prompts: its chunk cache (and the prefix chunks are computed behind), the chunk
+    texts announced to one integration object, and the engine's prefix and segment caches (``None`` when off, or
+    when the engine cannot blend)."""
 
     def __init__(self, engine: CacheBlendEngine, chunk_cache: ChunkCache, announced: AnnouncedChunks,
                  prefix_cache: PrefixCache | None = None, segment_cache: SegmentCache | None = None, *,
@@ -119,8 +120,8 @@ class PromptReuse:
         return self.prefix_cache is not None or self.segment_cache is not None
 
     def plan(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None,
-                chunks: Sequence[str] | None = None, salt: str = "", document_texts: Sequence[str] = ()
-                ) -> PreparedPrompt:
+             chunks: Sequence[str] | None = None, salt: str = "", document_texts: Sequence[str] = ()
+             ) -> PreparedPrompt:
         """``prompt`` as segments: announced chunk texts found verbatim become stored chunks (computed
         behind the cache's prefix), everything else fresh text, with the ids the whole prompt
         tokenizes to where the tokenizer allows (so ratio 1.0 reproduces the plain model).
