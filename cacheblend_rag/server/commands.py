@@ -119,18 +119,14 @@ def _parser(kind: type, optional: bool) -> Callable[[str], Any]:
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
-    from cacheblend_rag.serving.arguments import checked_as_given
-
-    given = {name: getattr(args, name) for group in GROUPS.values() for name in group.server_flags
-             if hasattr(args, name)}
-    model, store = given.pop("model", DEFAULT_MODEL_NAME), given.pop("store_path", None)
-    checked_as_given(given)  # a bad value fails now, not after the socket is up and the model loaded
-    for group in GROUPS.values():
-        _check_group(group, {name: value for name, value in given.items() if name in group.model_fields})
-    if given.get("require_store_key"):
+    settings = {name: getattr(args, name) for group in GROUPS.values() for name in group.server_flags
+                if hasattr(args, name)}
+    model, store = settings.pop("model", DEFAULT_MODEL_NAME), settings.pop("store_path", None)
+    for group in GROUPS.values():  # a bad value fails now, not after the socket is up and the model loaded
+        _check_group(group, {name: value for name, value in settings.items() if name in group.model_fields})
+    if settings.get("require_store_key"):
         # Before the socket is bound: the key is read from the environment only (a flag would show it in ps).
         require_store_key(store_key(None) is not None, "--require-store-key")
-    settings: dict[str, Any] = given
     http: dict[str, Any] = {}
     if args.default_max_tokens is not None:
         if args.default_max_tokens < 1:
@@ -143,13 +139,16 @@ def _config(args: argparse.Namespace) -> ServerConfig:
 
 
 def _check_group(group: type[SettingsGroup], values: dict[str, Any]) -> None:
-    """The flags' values as their group's fields take them: a misspelt size or choice fails before the model loads."""
+    """The flags' values as their group's fields take them (its validators, BlendConfig's checks among them): a
+    misspelt size, choice or ratio fails before the model loads, in the check's own words, after the flag it names."""
     try:
         group(**values)
     except ValidationError as error:
-        problems = "; ".join(f"{_flag_of(group, str(e['loc'][0]) if e['loc'] else '')}: {e['msg']}"
-                             for e in error.errors())
-        raise ConfigError(problems) from None
+        problems = []
+        for e in error.errors():
+            reason = str(e.get("ctx", {}).get("error") or e["msg"])
+            problems.append(f"{_flag_of(group, str(e['loc'][0]))}: {reason}" if e["loc"] else reason)
+        raise ConfigError("; ".join(problems)) from None
 
 
 def _flag_of(group: type[SettingsGroup], name: str) -> str:

@@ -79,7 +79,6 @@ class Served:
 ServedStream = RequestHandle[Served]
 
 
-
 class BlendService:
     """One engine, its chunk cache and the chunk texts announced to one integration object."""
 
@@ -99,11 +98,24 @@ class BlendService:
         self.chunk_cache = chunk_cache
         self.reuse = PromptReuse(engine, chunk_cache, announced, prefix_cache, segment_cache,
                                  document_special_tokens=document_special_tokens)
-        self.announced = announced
-        self.document_special_tokens = self.reuse.document_special_tokens
-        self.prefix_cache = self.reuse.prefix_cache
-        self.segment_cache = self.reuse.segment_cache
         self.scheduler = scheduler_for(engine)
+
+    # The prompt-reuse state is the planner's; these read it there, so there is one of each.
+    @property
+    def announced(self) -> AnnouncedChunks:
+        return self.reuse.announced
+
+    @property
+    def document_special_tokens(self) -> str:
+        return self.reuse.document_special_tokens
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.reuse.prefix_cache
+
+    @property
+    def segment_cache(self) -> SegmentCache | None:
+        return self.reuse.segment_cache
 
     # ------------------------------------------------------------- chunks
     def announce(self, texts: Iterable[str]) -> list[str]:
@@ -121,18 +133,6 @@ class BlendService:
         """The chunk cache a request of cache salt ``salt`` reads and fills: the shared one, or with
         ``chunk_sharing="per_salt"`` the salt's own keys (no hit tells one tenant what another's documents are)."""
         return self.chunk_cache.salted(salt) if self.chunk_sharing == "per_salt" else self.chunk_cache
-
-    # ------------------------------------------------------------- prompts
-
-
-
-
-
-
-
-
-
-
 
     # ------------------------------------------------------------- prompts
     def prepare(self, prompt: str, *, reuse: bool = True, blend: BlendConfig | None = None,

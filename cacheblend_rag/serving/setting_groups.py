@@ -75,7 +75,7 @@ class SettingsGroup(BaseModel):
 class LoadingSettings(SettingsGroup):
     """Which model, and how it loads: in process, or the server at ``base_url``."""
 
-    title: ClassVar[str] = 'model'
+    title: ClassVar[str] = "model"
     server_flags: ClassVar[Dict[str, ServerFlag]] = {
         "model": ServerFlag("--model", metavar="NAME", help="the embedded SmolLM2-135M-Instruct (default), a catalog name "
                             "(qwen2.5-coder-1.5b), a model folder, a .gguf file, a hub id, or "
@@ -139,7 +139,7 @@ class LoadingSettings(SettingsGroup):
 class StorageSettings(SettingsGroup):
     """Where chunk K/V lives, how it is stored and who may write it."""
 
-    title: ClassVar[str] = 'chunk K/V store'
+    title: ClassVar[str] = "chunk K/V store"
     server_flags: ClassVar[Dict[str, ServerFlag]] = {
         # The server's default is a disk folder in the package's cache (server.options.default_store_path).
         "store_path": ServerFlag("--store", metavar="URL|PATH", help="where chunk K/V lives: a folder, memory, "
@@ -201,7 +201,8 @@ class StorageSettings(SettingsGroup):
     @model_validator(mode="before")
     @classmethod
     def _store_password_apart(cls, values: Any) -> Any:
-        # Before any other check, so that nothing after it sees (or can show) the password in store_path.
+        # Before any field is validated, so that no field's check sees (or can show) the password in store_path.
+        # On CacheBlendSettings it runs after the argument check (which shows names, never values), on its output.
         return password_apart(values, "store_path", "store_password")
 
     @field_validator("store_path")
@@ -248,7 +249,7 @@ class CacheSettings(SettingsGroup):
     """Which prompt K/V is reused (chunks, prefixes, segments), how much is kept, and what requests of
     different tenants (``cache_salt``) share."""
 
-    title: ClassVar[str] = 'prompt K/V reuse'
+    title: ClassVar[str] = "prompt K/V reuse"
     server_flags: ClassVar[Dict[str, ServerFlag]] = {
         "reuse_chunk_kv": ServerFlag("--no-blend", action="store_false",
                                      help="answer every request by full prefill of its whole prompt (a baseline on "
@@ -330,7 +331,7 @@ class CacheSettings(SettingsGroup):
 class SchedulingSettings(SettingsGroup):
     """The engine's request scheduler, shared by every object on one engine (the last one set wins)."""
 
-    title: ClassVar[str] = 'scheduler'
+    title: ClassVar[str] = "scheduler"
     server_flags: ClassVar[Dict[str, ServerFlag]] = {
         "max_queued_requests": ServerFlag("--max-queued-requests", metavar="N", help="requests that may wait "
                                           "beyond the running ones; one more gets 429 (default: 256)"),
@@ -438,7 +439,7 @@ class SamplingSettings(SettingsGroup):
     """How answers are sampled (their length is each framework's own field: ``max_new_tokens``,
     ``max_tokens``); a request of the server carries its own."""
 
-    title: ClassVar[str] = 'sampling'
+    title: ClassVar[str] = "sampling"
 
     temperature: Optional[float] = Field(
         default=None, description="0 is greedy; None takes the model's generation config (greedy unless it samples)."

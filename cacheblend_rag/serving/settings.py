@@ -29,7 +29,6 @@ from cacheblend_rag.reuse.prompt import default_conditioning_prefix
 from cacheblend_rag.serving.arguments import (
     BLEND_FIELDS,
     SAMPLING_FIELDS,
-    checked_as_given,
     hugging_face_spellings,
     unknown_names_error,
     with_generate_kwargs,
@@ -54,7 +53,6 @@ from cacheblend_rag.serving.setting_groups import (
 )
 from cacheblend_rag.store import ChunkCache, WarmSummary, parse_size
 from cacheblend_rag.store.store_key import require_store_key, store_key
-from cacheblend_rag.store.urls import password_apart
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ def _flattened(owner: str, values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{owner} got {clash[0]} both as an argument and in {name}= with another value; "
                               "give it once")
         flat.update(fields)
-    return password_apart(flat, "store_path", "store_password") if "storage" in values else flat
+    return flat
 
 
 class CacheBlendSettings(LoadingSettings, StorageSettings, CacheSettings, SchedulingSettings, BlendingSettings,
@@ -127,7 +125,8 @@ class CacheBlendSettings(LoadingSettings, StorageSettings, CacheSettings, Schedu
         if values.get("model") is None:
             engine = values.get("engine")
             values["model"] = engine.model_name if engine is not None else DEFAULT_MODEL_NAME
-        checked_as_given(values)
+        # The groups' own before-validators (a base class's run after a subclass's) take it from here, on these
+        # flat values: the store password moved apart, the blend and sampling fields checked as given.
         return values
 
 
